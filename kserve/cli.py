@@ -1,0 +1,87 @@
+"""`kserve` command line: serve, make-tiny, render."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API")
+    p.add_argument("model_dir", nargs="?", default=None, help="model directory (default: the embedded tiny model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--api-key", default=None, help="require this bearer token (or set KSERVE_API_KEY)")
+    p.add_argument("--chat-template", default=None, help="a jinja chat template file to use instead of the model's")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--guided-decoding", choices=["on", "off"], default="on",
+                   help="grammar-masked decoding for response_format, tool_choice and strict tools")
+    p.add_argument("--tool-grammar", choices=["on", "off"], default="on",
+                   help="constrain tool-call sections under tool_choice=auto")
+    p.add_argument("--skip-self-check", action="store_true")
+    p.add_argument("--enable-reasoning", action="store_true",
+                   help="split a leading <think>...</think> into reasoning_content")
+    p.add_argument("--legacy-prompt-encoding", action="store_true",
+                   help="encode the whole rendered prompt with special tokens allowed (unsafe)")
+    p.add_argument("--log-level", default="info")
+
+
+def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-tiny", help="write a tiny random checkpoint in Kimi K2's published layout")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variant", choices=["k2", "v3"], default="k2")
+
+
+def _add_render(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("render", help="print the exact prompt for an OpenAI chat request read from stdin")
+    p.add_argument("model_dir", nargs="?", default=None)
+    p.add_argument("--ids", action="store_true", help="also print the prompt token ids")
+    p.add_argument("--chat-template", default=None)
+    p.add_argument("--legacy-prompt-encoding", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    _add_serve(sub)
+    _add_make_tiny(sub)
+    _add_render(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command == "serve":
+        from kserve.server.launch import run_server
+
+        return run_server(args) or 0
+    if args.command == "make-tiny":
+        from kserve.tiny_checkpoint import write_tiny_checkpoint
+
+        path = write_tiny_checkpoint(args.dir, seed=args.seed, variant=args.variant)
+        print(path)
+        return 0
+    if args.command == "render":
+        from kserve.chat.render_cli import run_render
+
+        return run_render(args, stdin=sys.stdin, stdout=sys.stdout)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
