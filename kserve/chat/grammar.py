@@ -1,0 +1,244 @@
+"""Grammar-masked decoding for K2 with xgrammar: JSON schemas, tool_choice and strict tools.
+
+A request's constraint is described by a `GrammarSpec`, compiled once (cached by spec) by a
+`GrammarCompiler`, and turned into one `TokenMatcher` per generated sequence. The engine calls the
+matcher's `fill_bitmask` / `accept_token` / `rollback` / `is_terminated` (its TokenConstraint hook).
+
+K2's tool-call markers are emitted by the model as single special tokens. The grammar places them
+with xgrammar's TokenFormat (by id), and the vocabulary given to xgrammar spells each marker with a
+leading NUL byte: no JSON string and no free text can then contain a marker token, and a marker can
+only appear where the grammar puts it. Every other special token (turn markers, reserved ids) is
+given an empty spelling, which xgrammar never allows; the stop tokens end a sequence only when the
+grammar is complete.
+
+xgrammar imports torch and transformers, so it is imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+SECTION_BEGIN = "<|tool_calls_section_begin|>"
+SECTION_END = "<|tool_calls_section_end|>"
+CALL_BEGIN = "<|tool_call_begin|>"
+ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
+CALL_END = "<|tool_call_end|>"
+TOOL_MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END)
+
+# Bounds that keep a random or confused model from looping forever inside a call header or JSON.
+MAX_CALL_INDEX_DIGITS = 3
+MAX_JSON_WHITESPACE = 2
+
+
+class GrammarError(ValueError):
+    """A schema or tool set that cannot be compiled into a grammar (a client error)."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request constrains. `payload` is canonical JSON so specs hash and compare by value.
+
+    kind:
+      - "json_schema": output is one JSON value matching payload (a schema).
+      - "json_object": output is any JSON object.
+      - "tools": output follows K2's tool-call format for the tools in payload, with `mode`
+        "required" (one section of one or more calls, nothing else), "forced" (one call to the one
+        tool in payload) or "auto" (free text; once a section opens, names and arguments are bound).
+    """
+
+    kind: Literal["json_schema", "json_object", "tools"]
+    payload: str = "null"
+    mode: Literal["auto", "required", "forced"] = "auto"
+    parallel_tool_calls: bool = True
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool) -> "GrammarSpec":
+        return cls("json_schema", _canonical(schema))
+
+    @classmethod
+    def json_object(cls) -> "GrammarSpec":
+        return cls("json_object")
+
+    @classmethod
+    def tools(
+        cls,
+        tools: list[dict[str, Any]],
+        mode: Literal["auto", "required", "forced"],
+        parallel_tool_calls: bool = True,
+    ) -> "GrammarSpec":
+        """`tools` are OpenAI tool objects; non-strict tools still bind names, and bind arguments
+        to their schema (a tool-call must at least be a JSON object)."""
+        functions = [_tool_function(t) for t in tools]
+        return cls("tools", _canonical(functions), mode, parallel_tool_calls)
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _tool_function(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool.get("function", tool)
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise GrammarError("every tool needs a function name")
+    params = fn.get("parameters")
+    if params is None:
+        params = {"type": "object"}
+    return {"name": name, "parameters": params}
+
+
+class TokenMatcher:
+    """One sequence's grammar state: the engine's TokenConstraint."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def fill_bitmask(self, bitmask: "torch.Tensor", row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(int(token_id)))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self._matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+class CompiledGrammar:
+    """A compiled spec; `SamplingParams.guided` holds one. Makes a fresh matcher per sequence."""
+
+    def __init__(self, spec: GrammarSpec, compiled: Any) -> None:
+        self.spec = spec
+        self._compiled = compiled
+
+    def make_constraint(self) -> TokenMatcher:
+        import xgrammar as xgr
+
+        return TokenMatcher(xgr.GrammarMatcher(self._compiled))
+
+
+class GrammarCompiler:
+    """Compiles GrammarSpecs against one tokenizer and caches the results by spec.
+
+    Thread-safe: the server compiles in a worker thread, off the engine loop.
+    """
+
+    def __init__(self, tokenizer: Any, model_vocab_size: int, cache_size: int = 256) -> None:
+        import xgrammar as xgr
+
+        self._special = {name: tokenizer.special_ids[name] for name in TOOL_MARKERS}
+        self.tokenizer_info = build_tokenizer_info(tokenizer, model_vocab_size)
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2)
+        self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    @property
+    def marker_ids(self) -> dict[str, int]:
+        return dict(self._special)
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                return hit
+        try:
+            compiled = CompiledGrammar(spec, self._compile(spec))
+        except GrammarError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError/pydantic errors
+            raise GrammarError(f"cannot compile a grammar for this request: {exc}") from exc
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        if spec.kind == "json_object":
+            return self._compiler.compile_json_schema(
+                {"type": "object"}, any_whitespace=False, strict_mode=False
+            )
+        if spec.kind == "json_schema":
+            schema = json.loads(spec.payload)
+            return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=False)
+        return self._compiler.compile_structural_tag(self._tool_call_tag(spec))
+
+    def _tool_call_tag(self, spec: GrammarSpec) -> Any:
+        from xgrammar import structural_tag as st
+
+        functions = json.loads(spec.payload)
+        if not functions:
+            raise GrammarError("tool_choice needs at least one tool")
+        ids = self._special
+
+        def call(fn: dict[str, Any]) -> Any:
+            return st.SequenceFormat(
+                elements=[
+                    st.TokenFormat(token=ids[CALL_BEGIN]),
+                    st.ConstStringFormat(value=f"functions.{fn['name']}:"),
+                    st.RegexFormat(pattern=rf"[0-9]{{1,{MAX_CALL_INDEX_DIGITS}}}"),
+                    st.TokenFormat(token=ids[ARGUMENT_BEGIN]),
+                    st.JSONSchemaFormat(
+                        json_schema=fn["parameters"], max_whitespace_cnt=MAX_JSON_WHITESPACE
+                    ),
+                    st.TokenFormat(token=ids[CALL_END]),
+                ]
+            )
+
+        calls = [call(fn) for fn in functions]
+        one_call = calls[0] if len(calls) == 1 else st.OrFormat(elements=calls)
+        body = one_call
+        if spec.parallel_tool_calls and spec.mode != "forced":
+            body = st.PlusFormat(content=one_call)
+        if spec.mode in ("required", "forced"):
+            fmt = st.SequenceFormat(
+                elements=[st.TokenFormat(token=ids[SECTION_BEGIN]), body, st.TokenFormat(token=ids[SECTION_END])]
+            )
+        else:
+            section = st.TagFormat(
+                begin=st.TokenFormat(token=ids[SECTION_BEGIN]),
+                content=body,
+                end=st.TokenFormat(token=ids[SECTION_END]),
+            )
+            fmt = st.TokenTriggeredTagsFormat(
+                trigger_tokens=[ids[SECTION_BEGIN]],
+                tags=[section],
+                exclude_tokens=[ids[m] for m in TOOL_MARKERS if m != SECTION_BEGIN],
+            )
+        return st.StructuralTag(format=fmt)
+
+
+def build_tokenizer_info(tokenizer: Any, model_vocab_size: int) -> Any:
+    """xgrammar's view of the K2 vocabulary, padded to the model's vocab size (see module doc)."""
+    import xgrammar as xgr
+
+    stop_ids = list(tokenizer.stop_token_ids)
+    markers = {tokenizer.special_ids[name]: name for name in TOOL_MARKERS}
+    vocab: list[bytes] = []
+    for token_id in range(tokenizer.vocab_size):
+        if token_id in markers:
+            vocab.append(b"\x00" + markers[token_id].encode())
+        elif token_id in stop_ids:
+            vocab.append(b"\x00" + tokenizer.decode([token_id]).encode())
+        elif tokenizer.is_special(token_id):
+            vocab.append(b"")
+        else:
+            vocab.append(tokenizer.token_bytes(token_id))
+    return xgr.TokenizerInfo(
+        vocab,
+        xgr.VocabType.RAW,
+        vocab_size=max(model_vocab_size, len(vocab)),
+        stop_token_ids=stop_ids,
+    )
