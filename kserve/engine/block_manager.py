@@ -1,0 +1,173 @@
+"""Paged latent-KV blocks with prefix caching.
+
+Every full block of a sequence gets a hash chained over its parent's hash and its own token ids,
+so equal hashes mean equal prefixes. A block is registered in the prefix cache only once its KV has
+actually been computed. Freed blocks keep their hash and go to the back of an LRU free list: a later
+request with the same prefix can take them back, and allocation evicts from the front (the least
+recently freed) first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kserve.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = field(default=())  # kept to rule out hash collisions
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        # seq_id -> hash of each registered (computed, full) block of that sequence, in order
+        self.seq_hashes: dict[int, list[int]] = {}
+        self.prefix_hit_tokens = 0
+        self.prefix_miss_tokens = 0
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of `seq`, never covering its last token.
+
+        The last token is always recomputed so that the step produces logits for it.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        matched: list[int] = []
+        parent: int | None = None
+        bs = self.block_size
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            matched.append(block_id)
+            parent = h
+        return matched
+
+    def can_allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
+        new_blocks = self.blocks_needed(len(cached) * self.block_size + num_new_tokens) - len(cached)
+        cached_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        return new_blocks <= self.num_free_blocks - cached_free
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return need <= self.num_free_blocks
+
+    # ----------------------------------------------------------------------------- mutations
+    def allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> None:
+        """Give a waiting sequence its cached prefix blocks plus room for `num_new_tokens`."""
+        assert not seq.block_table, "allocate() is for sequences that hold no blocks"
+        hashes: list[int] = []
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_ids[block_id]
+            block.ref_count += 1
+            assert block.hash is not None
+            hashes.append(block.hash)
+        seq.block_table = list(cached)
+        self.seq_hashes[seq.seq_id] = hashes
+        num_cached_tokens = len(cached) * self.block_size
+        seq.num_computed_tokens = num_cached_tokens
+        if not seq.admitted_once:
+            seq.admitted_once = True
+            seq.num_cached_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
+            self.prefix_hit_tokens += num_cached_tokens
+            self.prefix_miss_tokens += seq.num_tokens - num_cached_tokens
+        self.append_slots(seq, num_new_tokens)
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Make room for `num_new_tokens` more tokens after the computed ones."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need > self.num_free_blocks:
+            raise RuntimeError("append_slots called without can_append")
+        for _ in range(need):
+            seq.block_table.append(self._take_free_block())
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Put the sequence's newly computed full blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.seq_hashes.setdefault(seq.seq_id, [])
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block = self.blocks[seq.block_table[i]]
+            existing = self.hash_to_block.get(h)
+            if existing is None or existing == block.block_id:
+                self._set_hash(block, h, tokens)
+            # else: another block already caches these tokens; keep that one, this one stays private
+            hashes.append(h)
+            parent = h
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks. Blocks keep their hashes until they are reused."""
+        # Free the tail first so that the LRU evicts a prefix's last blocks before its first ones.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                if block.hash is None:
+                    # Uncached blocks are reused first: they are worth nothing.
+                    self.free_ids[block_id] = None
+                    self.free_ids.move_to_end(block_id, last=False)
+                else:
+                    self.free_ids[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self.seq_hashes.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.hash is not None and block.ref_count == 0:
+                del self.hash_to_block[block.hash]
+                block.hash, block.token_ids = None, ()
+
+    # ----------------------------------------------------------------------------- internals
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def _set_hash(self, block: "Block", h: int, tokens: tuple[int, ...]) -> None:
+        block.hash, block.token_ids = h, tokens
+        self.hash_to_block[h] = block.block_id

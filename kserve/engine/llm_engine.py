@@ -1,0 +1,292 @@
+"""The synchronous engine core: requests in, one model step at a time, completions out.
+
+`LLM` (offline) and `AsyncLLMEngine` (server) both drive this class; neither duplicates its logic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kserve.config import EngineConfig, ModelConfig
+from kserve.engine.block_manager import BlockManager
+from kserve.engine.model_runner import ModelRunner, num_kv_blocks_for
+from kserve.engine.output_processor import OutputProcessor
+from kserve.engine.outputs import CompletionOutput, RequestOutput
+from kserve.engine.sampler import SEED_STRIDE, Sampler
+from kserve.engine.sampling_params import SamplingParams
+from kserve.engine.scheduler import Scheduler
+from kserve.engine.sequence import Sequence
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_usage: float
+    prefix_cache_hit_tokens: int
+    prefix_cache_miss_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions: int
+
+
+class Request:
+    """One user request: a prompt and its `n` completions."""
+
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.seqs: list[Sequence] = []
+        self.error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        """A snapshot: each completion's full text, tokens and logprobs so far."""
+        completions = [
+            CompletionOutput(
+                index=s.index,
+                text=s.visible_text,
+                token_ids=s.output_token_ids,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in self.seqs
+        ]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=completions,
+            finished=self.finished,
+            num_cached_tokens=self.seqs[0].num_cached_tokens if self.seqs else 0,
+        )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(dtypes)} or 'auto'")
+    return dtypes[name]
+
+
+def generation_eos_ids(model_dir: Path | None) -> list[int]:
+    """eos_token_id from generation_config.json (an int or a list), if the file exists."""
+    if model_dir is None:
+        return []
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: Any,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        config: EngineConfig,
+        model_dir: Path | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.device = torch.device(device)
+
+        eos: list[int] = []
+        for tok in (
+            list(getattr(tokenizer, "stop_token_ids", None) or [])
+            + generation_eos_ids(self.model_dir)
+            + ([model_config.eos_token_id] if model_config.eos_token_id is not None else [])
+        ):
+            if tok not in eos:
+                eos.append(tok)
+        self.eos_token_ids = eos
+
+        bytes_per_token = (
+            model_config.num_hidden_layers * model_config.kv_cache_dim * torch.empty(0, dtype=dtype).element_size()
+        )
+        num_blocks = num_kv_blocks_for(config, bytes_per_token, self.device)
+        capacity = num_blocks * config.block_size
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings, capacity)
+
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, self.device, dtype)
+        self.sampler = Sampler(eos, self.device, seed=config.seed)
+        self.output_processor = OutputProcessor(tokenizer, eos, self.max_model_len)
+
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        from kserve.chat import load_tokenizer
+        from kserve.model import load_model
+
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        if config.model is None:
+            from kserve.tiny_checkpoint import ensure_embedded_model
+
+            model_dir = Path(ensure_embedded_model())
+        else:
+            model_dir = Path(config.model)
+        model = load_model(model_dir, device=device, dtype=dtype)
+        tokenizer = load_tokenizer(model_dir)
+        return cls(model, model.config, tokenizer, config, model_dir, device, dtype)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        prompt: str | None = None,
+    ) -> Request:
+        params = params if params is not None else SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids)
+        request = Request(request_id, prompt, prompt_token_ids, params)
+        arrival = next(self._arrivals)
+        share_prompt = params.n > 1 and self.config.enable_prefix_caching
+        for index in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, index, prompt_token_ids, params, arrival)
+            if params.seed is not None:
+                seq.generator = self.sampler.make_generator(params.seed + index * SEED_STRIDE)
+            if params.guided is not None:
+                seq.constraint = params.guided.make_constraint()
+            if share_prompt and index > 0:
+                seq.wait_for = request.seqs[0]
+            self.output_processor.start(seq)
+            request.seqs.append(seq)
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+        self.prompt_tokens_total += len(prompt_token_ids)
+        return request
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but this model's maximum context "
+                f"length is {self.max_model_len} tokens, prompt and completion together"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            self.output_processor.finish_aborted(seq)
+        self.scheduler.abort(request.seqs)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[Request]:
+        """Run one scheduled step; return the requests that changed (finished ones included)."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return self._unblock()
+        sampling = [item.seq for item in out.scheduled if item.samples]
+        try:
+            logits = self.runner.run(out.scheduled)
+            self.scheduler.finish_step(out)
+            sampled = self.sampler.sample(logits, sampling) if sampling else None
+        except Exception as exc:  # a failing step fails its requests, never the engine
+            return self._fail({item.seq.request_id for item in out.scheduled}, exc)
+
+        changed: dict[str, Request] = {}
+        if sampled is not None:
+            for seq, token_id, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
+                self.output_processor.append_token(seq, token_id, logprob)
+                changed[seq.request_id] = self.requests[seq.request_id]
+            self.generation_tokens_total += len(sampling)
+        self.scheduler.remove_finished()
+        for request_id, request in changed.items():
+            if request.finished:
+                del self.requests[request_id]
+        return list(changed.values())
+
+    def _unblock(self) -> list[Request]:
+        """Nothing could be scheduled: finish a waiting head that can never fit in the cache."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        seq = self.scheduler.waiting[0]
+        request = self.requests[seq.request_id]
+        self.abort_request(seq.request_id)
+        for s in request.seqs:
+            if s.finish_reason == "abort":
+                s.finish_reason = "length"
+        return [request]
+
+    def _fail(self, request_ids: set[str], exc: Exception) -> list[Request]:
+        failed = []
+        for request_id in request_ids:
+            request = self.abort_request(request_id)
+            if request is not None:
+                request.error = exc
+                failed.append(request)
+        return failed
+
+    # ------------------------------------------------------------------ metrics
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_usage=bm.num_used_blocks / bm.num_blocks,
+            prefix_cache_hit_tokens=bm.prefix_hit_tokens,
+            prefix_cache_miss_tokens=bm.prefix_miss_tokens,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

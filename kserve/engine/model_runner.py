@@ -1,0 +1,104 @@
+"""Owns the model and its paged latent KV cache; runs one scheduled step.
+
+The cache is one tensor `[num_layers, num_blocks, block_size, kv_cache_dim]` in the model dtype.
+A step's sequences are flattened into one `ForwardBatch` (see kserve/model/forward_batch.py); the
+model writes each new token's latent into its slot and attends over the sequence's block table.
+Only the rows whose chunk ends at the sequence's last token go through the LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kserve.config import EngineConfig, ModelConfig
+from kserve.engine.scheduler import ScheduledSeq
+from kserve.model.forward_batch import ForwardBatch
+
+
+def num_kv_blocks_for(
+    config: EngineConfig, bytes_per_token: int, device: torch.device
+) -> int:
+    """How many cache blocks fit in the memory the config allows."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    bytes_per_block = bytes_per_token * config.block_size
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * config.kv_cache_memory_fraction)
+    else:
+        budget = config.kv_cache_cpu_bytes
+    return max(1, budget // bytes_per_block)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.block_size = block_size
+        self.device = device
+        self.kv_cache = torch.zeros(
+            model_config.num_hidden_layers,
+            num_blocks,
+            block_size,
+            model_config.kv_cache_dim,
+            dtype=dtype,
+            device=device,
+        )
+        # A CUDA-graph decode path would go here: capture `self.model` for padded decode batch
+        # sizes with static input buffers, and replay it from `run` when batch.is_decode_only.
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
+        """Flatten a step into input ids, a ForwardBatch, and the rows to sample from."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        sample_rows: list[int] = []
+        for item in scheduled:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(item.num_new_tokens)
+            context_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+        max_blocks = max(len(item.seq.block_table) for item in scheduled)
+        tables = [item.seq.block_table + [-1] * (max_blocks - len(item.seq.block_table)) for item in scheduled]
+        dev = self.device
+        batch = ForwardBatch(
+            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            block_tables=torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            query_lens=query_lens,
+            context_lens_host=context_lens,
+            block_size=bs,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
+        return ids, batch, sample_rows
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run one step; return float32 logits for the sampling rows, in scheduled order."""
+        input_ids, batch, sample_rows = self.prepare(scheduled)
+        hidden = self.model(input_ids, batch, self.kv_cache)
+        if not sample_rows:
+            return torch.empty(0, 0, device=self.device)
+        rows = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden.index_select(0, rows)).float()

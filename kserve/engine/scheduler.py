@@ -1,0 +1,153 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+Each step fills a token budget (`max_num_batched_tokens`). Running sequences go first, decodes
+before unfinished prefills, then waiting sequences in arrival order (FCFS), whose prompts are cut
+into chunks when they do not fit. When the cache runs out of blocks, the most recently admitted
+running sequence is preempted: its blocks are freed and it goes back to the front of the queue to
+be recomputed later (prompt plus every token it already generated), usually mostly from the
+prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kserve.engine.block_manager import BlockManager
+from kserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's last token, so the step samples a new one."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        # Decodes first, then chunks of prefills already under way.
+        pending = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        pending += [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in pending:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, num_new):
+                victim = self.running[-1]
+                if victim.seq_id in scheduled_ids:
+                    item = next(s for s in out.scheduled if s.seq is victim)
+                    out.scheduled.remove(item)
+                    scheduled_ids.discard(victim.seq_id)
+                    budget += item.num_new_tokens
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.block_manager.append_slots(seq, num_new)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+
+        if out.preempted:
+            return out  # memory is short: admit nothing new this step
+
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.wait_for is not None and not _prompt_ready(seq.wait_for):
+                # n > 1 sibling: wait until the first completion's prompt is in the prefix cache.
+                skipped.append(self.waiting.popleft())
+                continue
+            cached = self.block_manager.match_prefix(seq)
+            num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_allocate(seq, cached, num_new):
+                break
+            self.waiting.popleft()
+            seq.wait_for = None
+            self.block_manager.allocate(seq, cached, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return out
+
+    def finish_step(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counts after the model ran `out`, and cache full blocks."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_computed(item.seq)
+
+    def remove_finished(self) -> list[Sequence]:
+        done = [s for s in self.running if s.is_finished]
+        if done:
+            self.running = [s for s in self.running if not s.is_finished]
+            for seq in done:
+                self.block_manager.free(seq)
+        return done
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Drop sequences wherever they are; their blocks go back to the pool."""
+        ids = {s.seq_id for s in seqs}
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING or seq.block_table:
+                self.block_manager.free(seq)
+        self.running = [s for s in self.running if s.seq_id not in ids]
+        self.waiting = deque(s for s in self.waiting if s.seq_id not in ids)
+        for seq in self.waiting:
+            if seq.wait_for is not None and seq.wait_for.seq_id in ids:
+                seq.wait_for = None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+
+def _prompt_ready(parent: Sequence) -> bool:
+    return parent.is_finished or parent.num_computed_tokens >= parent.num_prompt_tokens

@@ -1,0 +1,85 @@
+"""One generated completion's state: its tokens, its cache blocks and its progress."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Any
+
+import torch
+
+from kserve.engine.outputs import TokenLogprob
+from kserve.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """A prompt plus the tokens generated for it so far.
+
+    `num_computed_tokens` counts the leading tokens whose latent KV is in the cache; the scheduler
+    feeds the model the tokens after it. Preemption resets it to 0 (recompute) but keeps every
+    generated token, so nothing already emitted is lost.
+    """
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: int,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index  # completion index within the request (n > 1)
+        self.params = params
+        self.arrival = arrival  # FCFS order
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.admitted_once = False
+        # n > 1: siblings wait until this sequence's prompt is in the prefix cache, then share it.
+        self.wait_for: Sequence | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.generator: torch.Generator | None = None
+        self.constraint: Any = None  # kserve.engine.logits_process.TokenConstraint
+        # Text state, owned by kserve.engine.output_processor.
+        self.detokenizer: Any = None
+        self.text = ""  # all decoded text so far (may end with a held-back stop-string prefix)
+        self.visible_len = 0  # chars of `text` safe to show while running
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def visible_text(self) -> str:
+        return self.text if self.is_finished else self.text[: self.visible_len]
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, status={self.status.name})"
+        )
