@@ -70,23 +70,24 @@ def _alias_reasoning_fields(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _replace_lt(obj: Any, sentinel: str) -> Any:
-    """Copy of ``obj`` with every ``<`` in every string (keys included) replaced by ``sentinel``."""
+def _translate_strings(obj: Any, table: dict[int, str]) -> Any:
+    """Copy of ``obj`` with ``str.translate(table)`` applied to every string (dict keys included)."""
     if isinstance(obj, str):
-        return obj.replace("<", sentinel)
+        return obj.translate(table)
     if isinstance(obj, dict):
-        return {_replace_lt(k, sentinel): _replace_lt(v, sentinel) for k, v in obj.items()}
+        return {_translate_strings(k, table): _translate_strings(v, table) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_replace_lt(v, sentinel) for v in obj]
+        return [_translate_strings(v, table) for v in obj]
     return obj
 
 
-def _pick_sentinel(text: str) -> str:
-    for code in range(0xE000, 0xF900):  # Unicode private use area
-        ch = chr(code)
-        if ch not in text:
-            return ch
-    raise ValueError("cannot find a free private-use character to mark client text")
+def _pick_sentinels(text: str, count: int) -> list[str]:
+    """``count`` private-use characters that don't occur in ``text``."""
+    free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in text)
+    out = [ch for _, ch in zip(range(count), free)]
+    if len(out) < count:
+        raise ValueError("cannot find free private-use characters to mark client text")
+    return out
 
 
 def first_difference(a: str, b: str) -> int | None:
@@ -174,16 +175,20 @@ class ChatTemplate:
                legacy: bool = False) -> list[int]:
         """Prompt ids: template control tokens become single ids; client text never does.
 
-        Client strings are rendered a second time with every ``<`` replaced by an unused private-use character, so
-        every control-token string left in that render was written by the template. The real render is split at
-        those positions; the text between is encoded with special tokens treated as text.
+        Client strings are rendered a second time with the first character of every control token (``<``, ``[``)
+        replaced by an unused private-use character, so every control-token string left in that render was written
+        by the template. The real render is split at those positions; the text between is encoded with special
+        tokens treated as text.
         """
         text = self.render(messages, tools, add_generation_prompt)
         if legacy:
             return tokenizer.encode(text, allow_special_tokens=True)
-        sentinel = _pick_sentinel(text)
-        marked = self.render(_replace_lt(messages, sentinel), _replace_lt(tools, sentinel), add_generation_prompt)
-        if len(marked) != len(text) or marked.replace(sentinel, "<") != text:
+        starts = sorted({token[0] for token in tokenizer.special_ids})
+        sentinels = _pick_sentinels(text, len(starts))
+        hide = {ord(c): s for c, s in zip(starts, sentinels)}
+        unhide = {ord(s): c for c, s in zip(starts, sentinels)}
+        marked = self.render(_translate_strings(messages, hide), _translate_strings(tools, hide), add_generation_prompt)
+        if len(marked) != len(text) or marked.translate(unhide) != text:
             raise ValueError(f"chat template {self.origin} transforms client text; cannot separate control tokens")
         ids: list[int] = []
         pos = 0
