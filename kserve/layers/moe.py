@@ -1,0 +1,130 @@
+"""Mixture of experts as DeepSeek-V3 / Kimi K2 compute it (noaux_tc routing).
+
+Routing: sigmoid scores; the correction bias only selects experts; group-limited top-k when
+n_group > 1 (groups ranked by the sum of their top-2 biased scores, others masked with -inf);
+weights are the unbiased scores of the chosen experts, renormalized, times routed_scaling_factor.
+Experts are expert-parallel: each rank owns n_routed_experts / tp_size whole experts; the routed
+and shared partial outputs are summed over ranks with one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kserve.config import ModelConfig
+from kserve.distributed import ParallelState
+from kserve.layers.mlp import GatedMLP
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
+    param.copy_(loaded)
+
+
+class NoAuxRouter(nn.Module):
+    """The `mlp.gate` module: router weight and the selection-only correction bias, both kept in fp32."""
+
+    def __init__(self, config: ModelConfig, *, device: torch.device | str):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(
+            torch.empty(config.n_routed_experts, config.hidden_size, dtype=torch.float32, device=device),
+            requires_grad=False,
+        )
+        self.e_score_correction_bias = nn.Parameter(
+            torch.empty(config.n_routed_experts, dtype=torch.float32, device=device), requires_grad=False
+        )
+        for p in (self.weight, self.e_score_correction_bias):
+            p.weight_loader = lambda param, loaded: _copy_checked(param.data, loaded)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (weights [T, top_k] fp32, expert ids [T, top_k])."""
+        scores = F.linear(x.float(), self.weight).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            t, e = choice.shape
+            grouped = choice.view(t, self.n_group, e // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = group_scores.topk(self.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~group_mask[:, :, None], float("-inf")).view(t, e)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * self.routed_scaling_factor, ids
+
+
+class RoutedExperts(nn.Module):
+    """This rank's experts, stacked: gate_up_proj [E_local, 2I, H] (gate rows first), down_proj [E_local, H, I]."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState, *, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.first_expert, last = parallel.shard_range(config.n_routed_experts)
+        self.num_local = last - self.first_expert
+        inter, hidden = config.moe_intermediate_size, config.hidden_size
+        self.intermediate = inter
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden, dtype=dtype, device=device), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=dtype, device=device), requires_grad=False)
+        self.gate_up_proj.weight_loader = self.weight_loader
+        self.down_proj.weight_loader = self.weight_loader
+
+    def owns(self, expert_id: int) -> bool:
+        return self.first_expert <= expert_id < self.first_expert + self.num_local
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard_id: str) -> None:
+        local = expert_id - self.first_expert
+        if shard_id == "gate":
+            _copy_checked(param.data[local, : self.intermediate], loaded)
+        elif shard_id == "up":
+            _copy_checked(param.data[local, self.intermediate :], loaded)
+        elif shard_id == "down":
+            _copy_checked(param.data[local], loaded)
+        else:
+            raise ValueError(f"unknown expert shard {shard_id!r}")
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        local_ids = ids - self.first_expert
+        for e in torch.unique(local_ids).tolist():
+            if not 0 <= e < self.num_local:
+                continue
+            token_idx, slot = torch.where(local_ids == e)
+            gate, up = F.linear(x[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, token_idx, y * weights[token_idx, slot, None].to(y.dtype))
+        return out
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelState, *, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.parallel = parallel
+        self.gate = NoAuxRouter(config, device=device)
+        self.experts = RoutedExperts(config, parallel, dtype=dtype, device=device)
+        self.shared_experts = (
+            GatedMLP(
+                config.hidden_size,
+                config.moe_intermediate_size * config.n_shared_experts,
+                parallel,
+                dtype=dtype,
+                device=device,
+                reduce_results=False,
+            )
+            if config.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return self.parallel.all_reduce(out)

@@ -1,0 +1,24 @@
+"""RMSNorm, computed in fp32 and cast back before the weight (as DeepSeek-V3 and transformers do)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if tuple(param.shape) != tuple(loaded.shape):
+            raise ValueError(f"shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)

@@ -1,0 +1,54 @@
+"""YaRN rotary embedding with DeepSeek's interleaved pair layout: pairs are (x[2i], x[2i+1]).
+
+The YaRN frequency correction and the cos/sin mscale are always applied (as transformers and vLLM
+do), not only beyond the original context length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kserve.config import RopeScaling, yarn_mscale
+
+
+def yarn_inv_freq(dim: int, base: float, rope: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if rope is None:
+        return inv_freq
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # ramp = 0: keep the original frequency (extrapolate); ramp = 1: divide it by the factor.
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
+
+
+class YarnRotaryEmbedding(nn.Module):
+    def __init__(self, dim: int, base: float, rope: RopeScaling | None, *, device: torch.device | str):
+        super().__init__()
+        self.dim = dim
+        self.register_buffer("inv_freq", yarn_inv_freq(dim, base, rope).to(device), persistent=False)
+        self.mscale = (
+            yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+            if rope is not None
+            else 1.0
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate `x` [T, ..., dim] by the angles of `positions` [T]."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
+        cos = (freqs.cos() * self.mscale).to(x.dtype)
+        sin = (freqs.sin() * self.mscale).to(x.dtype)
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (self.dim // 2,)
+        cos, sin = cos.view(shape), sin.view(shape)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.flatten(-2)

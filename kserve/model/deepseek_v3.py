@@ -1,0 +1,203 @@
+"""Kimi K2 / DeepSeek-V3 in one file: MLA attention over a paged latent cache, noaux_tc MoE.
+
+Parameter names follow the checkpoint (`model.layers.N.self_attn.q_a_proj.weight`, ...), except
+that routed experts are stacked per layer (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kserve.config import ModelConfig
+from kserve.distributed import ParallelState
+from kserve.layers.embedding import LMHead, VocabEmbedding
+from kserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from kserve.layers.mla_attention import (
+    absorbed_decode_attention,
+    causal_attention,
+    flash_attn_varlen,
+    gather_context,
+    write_latents,
+)
+from kserve.layers.mlp import GatedMLP
+from kserve.layers.moe import DeepseekMoE
+from kserve.layers.norm import RMSNorm
+from kserve.layers.rotary import YarnRotaryEmbedding
+from kserve.model.forward_batch import ForwardBatch
+
+# DeepSeek's reference and transformers build the two latent norms with the default eps, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention, heads split over tensor-parallel ranks.
+
+    Prefill-like sequences (query_len > 1) decompress their cached context through kv_b_proj
+    ("naive" path); decode sequences (query_len == 1) absorb W_UK into the query and W_UV into the
+    output and attend over the latents directly ("absorbed" path).
+    """
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState, *, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        if config.num_attention_heads % parallel.tp_size:
+            raise ValueError(f"{config.num_attention_heads} heads do not split over {parallel.tp_size} ranks")
+        self.num_heads = config.num_attention_heads // parallel.tp_size
+        self.qk_nope = config.qk_nope_head_dim
+        self.qk_rope = config.qk_rope_head_dim
+        self.v_head = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scale = config.softmax_scale
+        heads = config.num_attention_heads
+        kw = dict(dtype=dtype, device=device)
+        if config.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(config.hidden_size, heads * config.qk_head_dim, parallel, **kw)
+        else:
+            self.q_a_proj = ReplicatedLinear(config.hidden_size, config.q_lora_rank, **kw)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, **kw)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * config.qk_head_dim, parallel, **kw)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(config.hidden_size, config.kv_cache_dim, **kw)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS, **kw)
+        self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, heads * (self.qk_nope + self.v_head), parallel, **kw)
+        self.o_proj = RowParallelLinear(heads * self.v_head, config.hidden_size, parallel, **kw)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.num_heads, self.qk_nope + self.qk_rope)
+
+    def _absorption_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, C] and W_UV [H, v, C], views of kv_b_proj's weight."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope + self.v_head, self.kv_lora_rank)
+        return w[:, : self.qk_nope], w[:, self.qk_nope :]
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: torch.Tensor,
+        rotary: YarnRotaryEmbedding,
+    ) -> torch.Tensor:
+        q = self._queries(x)
+        q_nope, q_pe = q.split([self.qk_nope, self.qk_rope], dim=-1)
+        q_pe = rotary(positions, q_pe)
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
+        k_pe = rotary(positions, kv[:, self.kv_lora_rank :])
+        write_latents(cache, batch.slot_mapping, torch.cat([c_kv, k_pe], dim=-1))
+
+        out = x.new_empty(x.shape[0], self.num_heads, self.v_head)
+        starts = [0]
+        for n in batch.query_lens:
+            starts.append(starts[-1] + n)
+        decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
+        if decode:
+            self._absorbed(decode, starts, q_nope, q_pe, batch, cache, out)
+        for i, n in enumerate(batch.query_lens):
+            if n != 1:
+                s, e = starts[i], starts[i + 1]
+                out[s:e] = self._naive(q_nope[s:e], q_pe[s:e], cache, batch.block_tables[i], batch.context_lens_host[i], batch.block_size)
+        return self.o_proj(out.view(x.shape[0], self.num_heads * self.v_head))
+
+    def _absorbed(self, seqs, starts, q_nope, q_pe, batch, cache, out) -> None:
+        tokens = torch.tensor([starts[i] for i in seqs], device=q_nope.device)
+        seq_idx = torch.tensor(seqs, device=q_nope.device)
+        w_uk, w_uv = self._absorption_weights()
+        q_lat = torch.einsum("thd,hdc->thc", q_nope[tokens], w_uk)
+        o_lat = absorbed_decode_attention(
+            q_lat, q_pe[tokens], cache, batch.block_tables[seq_idx], batch.context_lens[seq_idx], self.kv_lora_rank, self.scale
+        )
+        out[tokens] = torch.einsum("thc,hdc->thd", o_lat.to(w_uv.dtype), w_uv)
+
+    def _naive(self, q_nope, q_pe, cache, block_table, context_len: int, block_size: int) -> torch.Tensor:
+        latents = gather_context(cache, block_table, context_len, block_size).to(q_nope.dtype)
+        c_kv, k_pe = latents[:, : self.kv_lora_rank], latents[:, self.kv_lora_rank :]
+        kv = self.kv_b_proj(c_kv).view(context_len, self.num_heads, self.qk_nope + self.v_head)
+        k_nope, v = kv.split([self.qk_nope, self.v_head], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+        qry = torch.cat([q_nope, q_pe], dim=-1)
+        flash = flash_attn_varlen() if qry.is_cuda and qry.dtype in (torch.float16, torch.bfloat16) else None
+        if flash is None:
+            return causal_attention(qry, k, v, self.scale)
+        # flash-attn wants equal qk and v head dims: pad v, then slice. causal aligns bottom-right.
+        v_pad = F.pad(v, (0, qry.shape[-1] - self.v_head))
+        cu_q = torch.tensor([0, qry.shape[0]], dtype=torch.int32, device=qry.device)
+        cu_k = torch.tensor([0, context_len], dtype=torch.int32, device=qry.device)
+        o = flash(qry, k, v_pad, cu_q, cu_k, qry.shape[0], context_len, softmax_scale=self.scale, causal=True)
+        return o[..., : self.v_head]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, parallel: ParallelState, *, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.self_attn = MLAttention(config, parallel, **kw)
+        self.mlp: nn.Module
+        if config.is_moe_layer(layer_idx):
+            self.mlp = DeepseekMoE(config, parallel, **kw)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, parallel, **kw)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+
+    def forward(self, positions, hidden, batch, cache, rotary) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), batch, cache, rotary)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelState, *, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel, **kw) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.rotary_emb = YarnRotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, device=device)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_cache):
+            hidden = layer(batch.positions, hidden, batch, cache, self.rotary_emb)
+        return self.norm(hidden)
+
+
+class KimiK2ForCausalLM(nn.Module):
+    """`model(input_ids [T], batch, kv_cache [L, blocks, block_size, kv_cache_dim])` -> final-normed hidden [T, H]."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelState = ParallelState(),
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        super().__init__()
+        self.config = config
+        self.parallel = parallel
+        self.model = DeepseekV3Model(config, parallel, dtype=dtype, device=device)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        if kv_cache.shape[0] != self.config.num_hidden_layers or kv_cache.shape[-1] != self.config.kv_cache_dim:
+            raise ValueError(
+                f"kv_cache shape {tuple(kv_cache.shape)} does not fit {self.config.num_hidden_layers} layers "
+                f"x kv_cache_dim {self.config.kv_cache_dim}"
+            )
+        if kv_cache.shape[2] != batch.block_size:
+            raise ValueError(f"kv_cache block size {kv_cache.shape[2]} != batch block size {batch.block_size}")
+        return self.model(input_ids, batch, kv_cache)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of latent cache per token over all layers (replicated on every tensor-parallel rank)."""
+    return config.num_hidden_layers * config.kv_cache_dim * torch.empty((), dtype=dtype).element_size()

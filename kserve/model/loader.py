@@ -1,0 +1,140 @@
+"""Load a Kimi K2 / DeepSeek-V3 checkpoint (Moonshot's published layout) into `KimiK2ForCausalLM`.
+
+Shards are opened lazily; tensors are read one at a time, FP8 blocks dequantized, and copied into
+preallocated parameters by each parameter's `weight_loader` (which slices its own TP shard), so no
+second full copy of the weights is ever held. Rotary `inv_freq` buffers and MTP layers
+(index >= num_hidden_layers) are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm import tqdm
+
+from kserve.config import ModelConfig
+from kserve.distributed import ParallelState
+from kserve.kernels.fp8_dequant import dequantize_blocks, scale_shape
+from kserve.model.deepseek_v3 import KimiK2ForCausalLM
+from kserve.model.weights_layout import BF16, FP8, FP32, TensorSpec, checkpoint_tensors
+
+INDEX_FILE = "model.safetensors.index.json"
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config: the message names the tensor and the file."""
+
+
+def read_weight_map(model_dir: Path) -> dict[str, str]:
+    """Tensor name -> shard file name, from the index (or the single `model.safetensors`)."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return {k: single.name for k in f.keys()}
+    raise CheckpointError(f"no {INDEX_FILE} or model.safetensors in {model_dir}")
+
+
+class ShardReader:
+    """Opens each shard once, on first use; reads single tensors with their shape and dtype checked."""
+
+    def __init__(self, model_dir: Path, weight_map: dict[str, str], stack: contextlib.ExitStack):
+        self.model_dir = model_dir
+        self.weight_map = weight_map
+        self.stack = stack
+        self.handles: dict[str, object] = {}
+
+    def _handle(self, name: str, what: str):
+        from safetensors import safe_open
+
+        file = self.weight_map.get(name)
+        if file is None:
+            raise CheckpointError(f"{what} {name!r} is missing: not listed in {self.model_dir / INDEX_FILE}")
+        if file not in self.handles:
+            path = self.model_dir / file
+            if not path.is_file():
+                raise CheckpointError(f"{what} {name!r} is listed in shard {file}, which does not exist")
+            self.handles[file] = self.stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+        handle = self.handles[file]
+        if name not in handle.keys():
+            raise CheckpointError(f"{what} {name!r} is missing from {self.model_dir / file}")
+        return handle, file
+
+    def read(self, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...], what: str = "tensor") -> torch.Tensor:
+        handle, file = self._handle(name, what)
+        got = tuple(handle.get_slice(name).get_shape())
+        if got != tuple(shape):
+            raise CheckpointError(f"{what} {name!r} in {file} has shape {list(got)}, expected {list(shape)}")
+        tensor = handle.get_tensor(name)
+        if tensor.dtype not in dtypes:
+            raise CheckpointError(f"{what} {name!r} in {file} has dtype {tensor.dtype}, expected one of {dtypes}")
+        return tensor
+
+
+def _read_spec(reader: ShardReader, spec: TensorSpec, config: ModelConfig, out_dtype: torch.dtype) -> torch.Tensor:
+    """The tensor as the model uses it: FP8 dequantized, others converted to `out_dtype`."""
+    if spec.kind == FP8:
+        weight = reader.read(spec.name, spec.shape, (torch.float8_e4m3fn,), "fp8 weight")
+        block = config.quantization_config.weight_block_size
+        scale = reader.read(spec.scale_name, scale_shape(spec.shape, block), (torch.float32,), f"scale of {spec.name!r}:")
+        return dequantize_blocks(weight, scale, block, out_dtype)
+    allowed = (torch.bfloat16, torch.float16, torch.float32)
+    return reader.read(spec.name, spec.shape, allowed).to(out_dtype)
+
+
+def iter_checkpoint(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                    skip=lambda spec: False) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+    """Yield (spec, dequantized tensor) for every expected tensor, one at a time, with a progress bar."""
+    model_dir = Path(model_dir)
+    weight_map = read_weight_map(model_dir)
+    specs = [s for s in checkpoint_tensors(config) if not skip(s)]
+    with contextlib.ExitStack() as stack:
+        reader = ShardReader(model_dir, weight_map, stack)
+        for spec in tqdm(specs, desc=f"loading {model_dir.name}", unit="tensor", disable=None, leave=False):
+            yield spec, _read_spec(reader, spec, config, dtype)
+
+
+def load_weights(model: KimiK2ForCausalLM, model_dir: str | Path) -> None:
+    params = dict(model.named_parameters())
+    experts = {name: mod for name, mod in model.named_modules() if name.endswith("mlp.experts")}
+    dtype = model.lm_head.weight.dtype
+
+    def not_ours(spec: TensorSpec) -> bool:
+        m = _EXPERT.match(spec.name)
+        return m is not None and not experts[m.group(1)].owns(int(m.group(2)))
+
+    for spec, tensor in iter_checkpoint(model_dir, model.config, dtype, skip=not_ours):
+        m = _EXPERT.match(spec.name)
+        if m:
+            param_name = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down' else 'gate_up_proj'}"
+            param = params[param_name]
+            param.weight_loader(param, tensor.to(param.dtype), expert_id=int(m.group(2)), shard_id=m.group(3))
+        else:
+            param = params[spec.name]
+            param.weight_loader(param, tensor.to(param.dtype))
+        del tensor
+
+
+def load_model(
+    model_dir: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    parallel: ParallelState = ParallelState(),
+) -> KimiK2ForCausalLM:
+    config = ModelConfig.from_model_dir(model_dir)
+    model = KimiK2ForCausalLM(config, parallel, dtype=dtype, device=device)
+    load_weights(model, model_dir)
+    return model.eval()
+
+
+__all__ = ["BF16", "FP32", "CheckpointError", "iter_checkpoint", "load_model", "load_weights", "read_weight_map"]
