@@ -240,7 +240,7 @@ class LLMEngine:
             self.scheduler.finish_step(out)
             sampled = self.sampler.sample(logits, sampling) if sampling else None
         except Exception as exc:  # a failing step fails its requests, never the engine
-            return self._fail({item.seq.request_id for item in out.scheduled}, exc)
+            return self.fail_requests({item.seq.request_id for item in out.scheduled}, exc)
 
         changed: dict[str, Request] = {}
         if sampled is not None:
@@ -266,7 +266,8 @@ class LLMEngine:
                 s.finish_reason = "length"
         return [request]
 
-    def _fail(self, request_ids: set[str], exc: Exception) -> list[Request]:
+    def fail_requests(self, request_ids: set[str], exc: Exception) -> list[Request]:
+        """Abort these requests, recording `exc` as the reason; returns them."""
         failed = []
         for request_id in request_ids:
             request = self.abort_request(request_id)

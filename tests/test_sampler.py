@@ -1,0 +1,174 @@
+"""Sampler: each feature against a direct computation of what it should do."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kserve.engine.logits_process import TokenConstraint, TypicalLogitsProcessor
+from kserve.engine.sampler import Sampler
+from kserve.engine.sampling_params import SamplingParams
+from kserve.engine.sequence import Sequence
+from kserve.engine.token_bitmask import apply_token_bitmask, new_bitmask, set_allowed, unpack_bitmask
+
+EOS = 3
+
+
+def seq(params: SamplingParams, prompt=(7, 8), output=(), sid: int = 0) -> Sequence:
+    s = Sequence(sid, f"r{sid}", 0, list(prompt), params, sid)
+    s.token_ids.extend(output)
+    return s
+
+
+def frequencies(logits_row: torch.Tensor, params: SamplingParams, rows: int = 20000) -> torch.Tensor:
+    sampler = Sampler([EOS], "cpu", seed=0)
+    seqs = [seq(params, sid=i) for i in range(rows)]
+    out = sampler.sample(logits_row.expand(rows, -1).clone(), seqs).token_ids
+    return torch.bincount(torch.tensor(out), minlength=logits_row.shape[0]).float() / rows
+
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+LOGITS = PROBS.log()
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    seqs = [seq(SamplingParams(temperature=0.0), sid=i) for i in range(5)]
+    assert Sampler([EOS], "cpu").sample(logits, seqs).token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (SamplingParams(temperature=1.0), PROBS),
+        (SamplingParams(temperature=0.5), torch.softmax(LOGITS / 0.5, -1)),
+        (SamplingParams(top_k=2), torch.tensor([0.5, 0.3, 0, 0]) / 0.8),
+        (SamplingParams(top_p=0.7), torch.tensor([0.5, 0.3, 0, 0]) / 0.8),
+        (SamplingParams(top_p=0.85), torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95),
+        (SamplingParams(min_p=0.5), torch.tensor([0.5, 0.3, 0, 0]) / 0.8),
+    ],
+)
+def test_sampling_distribution(params: SamplingParams, expected: torch.Tensor) -> None:
+    got = frequencies(LOGITS, params)
+    torch.testing.assert_close(got, expected.float(), atol=0.015, rtol=0)
+
+
+def test_mixed_batch_rows_keep_their_own_settings() -> None:
+    logits = LOGITS.expand(4, -1).clone()
+    seqs = [seq(SamplingParams(temperature=0.0), sid=0), seq(SamplingParams(top_k=1), sid=1),
+            seq(SamplingParams(temperature=1.0, logit_bias={2: 100.0}), sid=2),
+            seq(SamplingParams(temperature=0.0, logit_bias={3: 100.0}), sid=3)]
+    assert Sampler([EOS], "cpu").sample(logits, seqs).token_ids == [0, 0, 2, 3]
+
+
+def test_penalties_match_formula() -> None:
+    vocab = 12
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1)) * 3
+    prompt, output = [1, 2, 2], [2, 5, 5, 5, 9]
+    params = SamplingParams(temperature=0.0, presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.5)
+    expected = logits[0].clone()
+    for t in set(prompt + output):
+        expected[t] = expected[t] / 1.5 if expected[t] > 0 else expected[t] * 1.5
+    for t in set(output):
+        expected[t] -= 0.3 * output.count(t) + 0.7
+    s = seq(params, prompt, output)
+    work = logits.clone()
+    Sampler([EOS], "cpu")._apply_penalties(work, [s])
+    torch.testing.assert_close(work[0], expected)
+
+
+def test_logprobs_are_raw_model_logprobs() -> None:
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(2))
+    seqs = [seq(SamplingParams(temperature=0.0, logprobs=3, logit_bias={4: 50.0}), sid=0),
+            seq(SamplingParams(temperature=0.0), sid=1)]
+    out = Sampler([EOS], "cpu").sample(logits.clone(), seqs)
+    ref = torch.log_softmax(logits[0], -1)
+    lp = out.logprobs[0]
+    assert lp.token_id == 4 == out.token_ids[0]
+    assert math.isclose(lp.logprob, ref[4].item(), rel_tol=1e-5)
+    top = ref.topk(3)
+    assert list(lp.top) == top.indices.tolist()
+    assert out.logprobs[1] is None
+
+
+def test_seeded_rows_ignore_batch_composition() -> None:
+    logits = torch.zeros(1, 1000)
+    p = SamplingParams(temperature=1.0, seed=99)
+    runs = []
+    for batch in (1, 5):
+        sampler = Sampler([EOS], "cpu", seed=batch)  # a different engine seed each time
+        s = seq(p)
+        s.generator = sampler.make_generator(99)
+        others = [seq(SamplingParams(temperature=1.0), sid=i + 1) for i in range(batch - 1)]
+        tokens = []
+        for _ in range(5):
+            tokens.append(sampler.sample(logits.expand(batch, -1).clone(), others + [s]).token_ids[-1])
+        runs.append(tokens)
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) > 1
+
+
+class EvenOnly:
+    """Allows only even token ids; terminates after `limit` accepted tokens."""
+
+    def __init__(self, vocab: int, limit: int = 100) -> None:
+        self.vocab, self.limit, self.accepted = vocab, limit, []
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        set_allowed(bitmask, row, list(range(0, self.vocab, 2)))
+
+    def accept_token(self, token_id: int) -> bool:
+        if token_id % 2:
+            return False
+        self.accepted.append(token_id)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.accepted[len(self.accepted) - num_tokens :]
+
+    def is_terminated(self) -> bool:
+        return len(self.accepted) >= self.limit
+
+
+def test_bitmask_roundtrip_and_apply() -> None:
+    vocab = 70
+    mask = new_bitmask(2, vocab)
+    set_allowed(mask, 0, [0, 31, 32, 69])
+    allowed = unpack_bitmask(mask, vocab)
+    assert allowed[0].nonzero().flatten().tolist() == [0, 31, 32, 69]
+    assert allowed[1].all()
+    logits = torch.zeros(3, vocab)
+    apply_token_bitmask(logits, mask, torch.tensor([2, 0]))
+    assert torch.isinf(logits[2]).sum() == vocab - 4 and not torch.isinf(logits[0:2]).any()
+
+
+def test_constraint_masks_only_constrained_rows_and_forces_stop() -> None:
+    vocab = 64
+    assert isinstance(EvenOnly(vocab), TokenConstraint)
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3))
+    logits[:, 1::2] += 10  # odd tokens would win without the constraint
+    a, b, c = seq(SamplingParams(temperature=1.0), sid=0), seq(SamplingParams(temperature=0.0), sid=1), seq(SamplingParams(temperature=0.0), sid=2)
+    a.constraint, c.constraint = EvenOnly(vocab), EvenOnly(vocab, limit=0)
+    out = Sampler([EOS], "cpu").sample(logits.clone(), [a, b, c]).token_ids
+    assert out[0] % 2 == 0
+    assert out[1] == logits[1].argmax().item() and out[1] % 2 == 1
+    assert out[2] == EOS
+
+
+def test_typical_processor_matches_definition() -> None:
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(4))
+    out = TypicalLogitsProcessor(mass=0.5)([], logits.clone())
+    logp = torch.log_softmax(logits, -1)
+    p = logp.exp()
+    entropy = -(p * logp).sum()
+    order = sorted(range(40), key=lambda t: abs(-logp[t].item() - entropy.item()))
+    kept, mass = set(), 0.0
+    for t in order:
+        kept.add(t)
+        mass += p[t].item()
+        if mass >= 0.5:
+            break
+    assert set(torch.isfinite(out).nonzero().flatten().tolist()) == kept
+    assert 1 < len(kept) < 40
