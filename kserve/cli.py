@@ -33,6 +33,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--legacy-prompt-encoding", action="store_true",
                    help="encode the whole rendered prompt with special tokens allowed (unsafe)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024,
+                   help="reject request bodies larger than this with 413")
+    p.add_argument("--max-concurrent-requests", type=int, default=None,
+                   help="answer 429 beyond this many requests in flight (default: no limit)")
 
 
 def _add_make_tiny(sub: argparse._SubParsersAction) -> None:

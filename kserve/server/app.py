@@ -1,0 +1,225 @@
+"""The FastAPI application: routes, auth, body-size limit, readiness, and model loading in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from kserve.server.context import ServerSettings, ServingContext
+from kserve.server.errors import APIError, install_error_handlers
+from kserve.server.metrics import ServerMetrics
+from kserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from kserve.server.serving_chat import prepare_chat, run_chat, stream_chat
+from kserve.server.serving_completion import prepare_completion, run_completion, stream_completion
+from kserve.server.sse import openai_json
+
+logger = logging.getLogger("kserve.server")
+
+EngineLoader = Callable[[ServerSettings, ServerMetrics], Awaitable[ServingContext]]
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ServerState:
+    """Readiness and the serving context of one app instance."""
+
+    def __init__(self, settings: ServerSettings, loader: EngineLoader) -> None:
+        self.settings = settings
+        self.metrics = ServerMetrics()
+        self.loader = loader
+        self.context: ServingContext | None = None
+        self.load_error: str | None = None
+        self.loaded_at: float | None = None
+
+    def ready(self) -> ServingContext:
+        if self.context is not None:
+            return self.context
+        if self.load_error is not None:
+            raise APIError(503, f"model failed to load: {self.load_error}", code="model_load_failed")
+        raise APIError(503, "model is still loading; retry shortly", code="model_loading")
+
+    async def load(self) -> None:
+        started = time.monotonic()
+        try:
+            self.context = await self.loader(self.settings, self.metrics)
+        except Exception as exc:  # the server stays up and reports it on /health
+            logger.exception("model failed to load")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            return
+        self.loaded_at = time.time()
+        logger.info("model %r ready in %.1fs (max_model_len %d); OpenAI API at http://%s:%d/v1",
+                    self.context.model_name, time.monotonic() - started, self.context.max_model_len,
+                    self.settings.host, self.settings.port)
+
+    async def shutdown(self) -> None:
+        if self.context is not None:
+            with contextlib.suppress(Exception):
+                await self.context.engine.shutdown()
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over the limit, checked from Content-Length and while streaming the body in."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        too_big = APIError(413, f"request body exceeds the limit of {self.max_bytes} bytes",
+                           code="request_too_large")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await too_big.response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise too_big
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class RequestCountMiddleware:
+    """Counts responses by route and status for /metrics (pure ASGI, so streaming is untouched)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                path = scope.get("path", "")
+                endpoint = path if path.startswith(("/v1/", "/health", "/metrics")) else "other"
+                self.metrics.count_request(endpoint, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def build_app(settings: ServerSettings, loader: EngineLoader | None = None) -> FastAPI:
+    state = ServerState(settings, loader or load_serving_context)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(state.load())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            await state.shutdown()
+
+    app = FastAPI(title="kserve", description="OpenAI-compatible API for Kimi K2", version="0.1.0",
+                  lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(RequestCountMiddleware, metrics=state.metrics)
+
+    async def require_auth(request: Request) -> None:
+        key = settings.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def context() -> ServingContext:
+        return state.ready()
+
+    @app.get("/health", tags=["ops"])
+    async def health() -> JSONResponse:
+        state.ready()
+        return JSONResponse({"status": "ok", "model": state.context.model_name})
+
+    @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        ctx = state.context
+        stats = None
+        if ctx is not None:
+            with contextlib.suppress(Exception):
+                stats = ctx.engine.stats()
+        name = ctx.model_name if ctx is not None else (settings.served_model_name or "")
+        return PlainTextResponse(state.metrics.render(stats, name, ctx is not None),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(require_auth)])
+    async def models(ctx: ServingContext = Depends(context)) -> ModelList:
+        return ModelList(data=[ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len,
+                                         created=int(state.loaded_at or time.time()))])
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              dependencies=[Depends(require_auth)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
+                               ctx: ServingContext = Depends(context)) -> Any:
+        raw = await request.json()
+        prep = prepare_chat(ctx, raw)
+        with ctx.admitted() as release:
+            if prep.req.stream:
+                return StreamingResponse(release.guard(stream_chat(ctx, prep)), media_type="text/event-stream",
+                                         headers=SSE_HEADERS)
+            return JSONResponse(openai_json(await run_chat(ctx, prep, request)))
+
+    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=[Depends(require_auth)])
+    async def completions(body: CompletionRequest, request: Request,
+                          ctx: ServingContext = Depends(context)) -> Any:
+        raw = await request.json()
+        prep = prepare_completion(ctx, raw)
+        with ctx.admitted() as release:
+            if prep.req.stream:
+                return StreamingResponse(release.guard(stream_completion(ctx, prep)),
+                                         media_type="text/event-stream", headers=SSE_HEADERS)
+            return JSONResponse(openai_json(await run_completion(ctx, prep, request)))
+
+    return app
+
+
+async def load_serving_context(settings: ServerSettings, metrics: ServerMetrics) -> ServingContext:
+    """Build the engine (in a worker thread: loading weights blocks) and the chat template."""
+    from kserve.chat import ChatTemplate
+    from kserve.engine.async_engine import AsyncLLMEngine
+    from kserve.server.self_check import run_self_check
+
+    engine = await asyncio.to_thread(AsyncLLMEngine.from_config, settings.engine)
+    await engine.start()
+    template = await asyncio.to_thread(ChatTemplate.load, engine.model_dir, settings.chat_template)
+    name = settings.served_model_name or Path(engine.model_dir).name
+    ctx = ServingContext(engine=engine, tokenizer=engine.tokenizer, template=template, model_name=name,
+                         max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
+                         settings=settings, metrics=metrics)
+    if not settings.skip_self_check:
+        run_self_check(ctx)
+    return ctx

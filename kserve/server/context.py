@@ -1,0 +1,114 @@
+"""What a request handler needs: the loaded engine, tokenizer, template and server settings."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import anyio
+
+from kserve.config import EngineConfig
+from kserve.server.errors import APIError
+from kserve.server.metrics import ServerMetrics
+
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class ServerSettings:
+    """Server-level knobs (the engine's are in `engine`)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    chat_template: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_concurrent_requests: int | None = None  # beyond this many in flight, answer 429
+    guided_decoding: bool = True
+    tool_grammar: bool = True
+    skip_self_check: bool = False
+    enable_reasoning: bool = False
+    legacy_prompt_encoding: bool = False
+    log_level: str = "info"
+
+
+@dataclass
+class ServingContext:
+    """The loaded model and everything derived from it; built once the engine is up."""
+
+    engine: Any  # kserve.engine.async_engine.AsyncLLMEngine
+    tokenizer: Any  # kserve.chat.tokenizer.KimiTokenizer
+    template: Any  # kserve.chat.template.ChatTemplate
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    settings: ServerSettings
+    metrics: ServerMetrics
+    in_flight: int = 0
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator["Admission"]:
+        """Count a request in flight for the `with` block (or, via `guard`, for a stream's lifetime).
+
+        Past `--max-concurrent-requests` in flight the request is refused with 429.
+        """
+        limit = self.settings.max_concurrent_requests
+        if limit is not None and self.in_flight >= limit:
+            raise APIError(429, f"server is at its limit of {limit} concurrent requests; retry shortly",
+                           code="too_many_requests")
+        self.in_flight += 1
+        admission = Admission(self)
+        try:
+            yield admission
+        finally:
+            if not admission.handed_to_stream:
+                self.in_flight -= 1
+
+    def check_model(self, requested: str) -> None:
+        if requested != self.model_name:
+            raise APIError(404, f"model {requested!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def abort(self, request_id: str) -> None:
+        """Abort an unfinished engine request; shielded, since it usually runs inside a cancelled stream."""
+        self.metrics.count_abort()
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await self.engine.abort(request_id)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def disconnected(request: Any) -> bool:
+    """True once the HTTP client has gone away (cheap: does not wait)."""
+    try:
+        return await asyncio.wait_for(request.is_disconnected(), timeout=0.05)
+    except (asyncio.TimeoutError, RuntimeError):
+        return False
+
+
+class Admission:
+    """One admitted request; `guard` moves the in-flight count's release to the end of a stream."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+        self.handed_to_stream = False
+
+    def guard(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        self.handed_to_stream = True
+        return self._guarded(events)
+
+    async def _guarded(self, events: Any) -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            self.ctx.in_flight -= 1
+            with anyio.CancelScope(shield=True):
+                await events.aclose()  # runs the stream's own cleanup (engine abort) now, not at GC

@@ -1,0 +1,129 @@
+"""`kserve serve`: settings from the command line, uvicorn in the foreground or in a background thread."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from kserve.config import EngineConfig
+from kserve.server.app import EngineLoader, build_app
+from kserve.server.context import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
+
+logger = logging.getLogger("kserve.server")
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    engine = EngineConfig(
+        model=args.model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    return ServerSettings(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get("KSERVE_API_KEY") or None,
+        chat_template=args.chat_template,
+        max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
+        max_concurrent_requests=getattr(args, "max_concurrent_requests", None),
+        guided_decoding=args.guided_decoding == "on",
+        tool_grammar=args.tool_grammar == "on",
+        skip_self_check=args.skip_self_check,
+        enable_reasoning=args.enable_reasoning,
+        legacy_prompt_encoding=args.legacy_prompt_encoding,
+        log_level=args.log_level,
+    )
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kserve").setLevel(level.upper())
+
+
+def _uvicorn_config(settings: ServerSettings, loader: EngineLoader | None) -> uvicorn.Config:
+    return uvicorn.Config(build_app(settings, loader), host=settings.host, port=settings.port,
+                          log_level=settings.log_level.lower(), timeout_graceful_shutdown=5,
+                          access_log=settings.log_level.lower() == "debug")
+
+
+def run_server(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    _configure_logging(settings.log_level)
+    logger.info("kserve listening on http://%s:%d (model %s loads in the background; /health turns 200 "
+                "when ready)", settings.host, settings.port, settings.engine.model or "<embedded tiny>")
+    server = uvicorn.Server(_uvicorn_config(settings, None))
+    server.run()
+    return 0 if server.started else 1
+
+
+class BackgroundServer:
+    """A real uvicorn server on 127.0.0.1 in a daemon thread (tests, benchmarks).
+
+    The listening socket is bound before the thread starts, so the port is known and free of races.
+    """
+
+    def __init__(self, settings: ServerSettings, loader: EngineLoader | None = None) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((settings.host, settings.port))
+        settings.port = self.sock.getsockname()[1]
+        self.settings = settings
+        self.server = uvicorn.Server(_uvicorn_config(settings, loader))
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.thread = threading.Thread(target=self._run, name="kserve-uvicorn", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.settings.host}:{self.settings.port}"
+
+    @property
+    def app(self) -> Any:
+        return self.server.config.app
+
+    def _run(self) -> None:
+        asyncio.run(self.server.serve(sockets=[self.sock]))
+
+    def start(self, ready_timeout: float = 300.0) -> "BackgroundServer":
+        """Start and wait until /health says the model is loaded (raises if loading failed)."""
+        self.thread.start()
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            state = getattr(self.app.state, "server", None)
+            if self.server.started and state is not None:
+                if state.context is not None:
+                    return self
+                if state.load_error is not None:
+                    self.stop()
+                    raise RuntimeError(f"model failed to load: {state.load_error}")
+            if not self.thread.is_alive():
+                raise RuntimeError("server thread exited during startup")
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"server not ready after {ready_timeout}s")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

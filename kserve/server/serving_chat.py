@@ -1,0 +1,334 @@
+"""`POST /v1/chat/completions`: prompt rendering, generation, tool-call parsing and validation, SSE."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import jsonschema
+
+from kserve.chat import StreamingReasoningParser, StreamingToolParser, normalize_tool_call_ids, split_reasoning
+from kserve.chat.tool_parser import ToolCall as ParsedToolCall
+from kserve.chat.tool_parser import parse_tool_output
+from kserve.server.context import ServingContext, disconnected, new_request_id
+from kserve.server.errors import APIError, bad_request
+from kserve.server.guided import guided_decoding_request
+from kserve.server.logprobs import chat_logprobs
+from kserve.server.protocol import (
+    UNSUPPORTED_CHAT_FIELDS,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChoiceLogprobs,
+    FunctionCall,
+    FunctionCallDelta,
+    ToolCall,
+    ToolCallDeltaOut,
+    UsageInfo,
+)
+from kserve.server.sampling import build_sampling_params, fit_max_tokens
+from kserve.server.sse import sse_done, sse_event
+from kserve.server.validation import (
+    check_chat_request,
+    normalize_messages,
+    normalize_stop,
+    normalize_tools,
+    reject_unsupported,
+    resolve_tool_choice,
+    tool_schema,
+)
+
+logger = logging.getLogger("kserve.server")
+
+NO_ARGUMENTS = "{}"
+
+
+@dataclass
+class PreparedChat:
+    request_id: str
+    req: ChatCompletionRequest
+    prompt_ids: list[int]
+    params: Any  # SamplingParams
+    tools: list[dict[str, Any]] | None
+    parse_tools: bool  # tools were given and tool_choice != "none"
+    top_logprobs: int
+
+
+def prepare_chat(ctx: ServingContext, raw: dict[str, Any]) -> PreparedChat:
+    reject_unsupported(raw, UNSUPPORTED_CHAT_FIELDS)
+    req = ChatCompletionRequest.model_validate(raw)
+    ctx.check_model(req.model)
+    check_chat_request(req)
+    messages = normalize_tool_call_ids(normalize_messages(req.messages))
+    tools = normalize_tools(req.tools)
+    tool_choice = resolve_tool_choice(req.tool_choice, tools)
+    parse_tools = bool(tools) and tool_choice != "none"
+    try:
+        prompt_ids = ctx.template.encode(ctx.tokenizer, messages, tools=tools or None, add_generation_prompt=True,
+                                         legacy=ctx.settings.legacy_prompt_encoding)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise bad_request(f"could not render the conversation with the chat template: {exc}", "messages") from None
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = fit_max_tokens(len(prompt_ids), requested, ctx.max_model_len)
+    guided = guided_decoding_request(
+        req.response_format, tools, tool_choice, req.parallel_tool_calls,
+        guided_decoding=ctx.settings.guided_decoding, tool_grammar=ctx.settings.tool_grammar,
+    )
+    top_logprobs = req.top_logprobs or 0
+    params = build_sampling_params(
+        req, max_tokens=max_tokens, stop=normalize_stop(req.stop),
+        logprobs=top_logprobs if req.logprobs else None,
+        # K2's tool markers are special tokens; the parser needs them in the text.
+        skip_special_tokens=not parse_tools,
+        vocab_size=ctx.vocab_size, guided=guided,
+    )
+    return PreparedChat(new_request_id("chatcmpl"), req, prompt_ids, params, tools, parse_tools, top_logprobs)
+
+
+# ----------------------------------------------------------------------------- tool-call checks
+
+
+def check_tool_calls(ctx: ServingContext, request_id: str, calls: list[ParsedToolCall], section_opened: bool,
+                     tools: list[dict[str, Any]] | None) -> None:
+    """Validate parsed calls on receipt; count and log every problem (the response is returned as parsed)."""
+    metrics = ctx.metrics
+    if section_opened and not calls:
+        metrics.count_tool_problem("empty_tool_calls")
+        logger.warning("request %s: tool-call section opened but no call parsed", request_id)
+    metrics.count_tool_calls(len(calls))
+    schemas = {t["function"]["name"]: tool_schema(t) for t in tools or []}
+    for call in calls:
+        if call.name not in schemas:
+            metrics.count_tool_problem("undeclared_tool")
+            logger.warning("request %s: call %s names undeclared tool %r", request_id, call.id, call.name)
+            continue
+        arguments = call.arguments or NO_ARGUMENTS
+        try:
+            value = json.loads(arguments)
+        except ValueError as exc:
+            metrics.count_tool_problem("invalid_json")
+            logger.warning("request %s: call %s arguments are not JSON: %s", request_id, call.id, exc)
+            continue
+        try:
+            jsonschema.validate(value, schemas[call.name])
+        except jsonschema.ValidationError as exc:
+            metrics.count_tool_problem("schema_invalid")
+            logger.warning("request %s: call %s arguments fail %r's schema: %s", request_id, call.id, call.name,
+                           exc.message)
+
+
+def _tool_call_out(call: ParsedToolCall) -> ToolCall:
+    return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments or NO_ARGUMENTS))
+
+
+def _finish_reason(engine_reason: str | None, has_calls: bool) -> str:
+    if has_calls:
+        return "tool_calls"
+    return "length" if engine_reason == "length" else "stop"
+
+
+def _usage(prompt_ids: list[int], outputs: list[Any], cached: int) -> UsageInfo:
+    completion = sum(len(o.token_ids) for o in outputs)
+    return UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion,
+                     total_tokens=len(prompt_ids) + completion,
+                     prompt_tokens_details={"cached_tokens": cached})
+
+
+# ----------------------------------------------------------------------------- non-streaming
+
+
+async def run_chat(ctx: ServingContext, prep: PreparedChat, request: Any) -> ChatCompletionResponse:
+    start = time.monotonic()
+    first_token: float | None = None
+    final = None
+    try:
+        async for out in ctx.engine.generate(prep.request_id, prep.prompt_ids, prep.params):
+            if first_token is None and any(o.token_ids for o in out.outputs):
+                first_token = time.monotonic() - start
+            final = out
+            if final.finished:
+                break
+            if await disconnected(request):
+                logger.info("request %s: client disconnected; aborting", prep.request_id)
+                break
+    finally:
+        if final is None or not final.finished:
+            await ctx.abort(prep.request_id)
+    if final is None or not final.finished:
+        raise APIError(499 if final is not None else 500, "request aborted before it finished", code="aborted")
+    choices = [_chat_choice(ctx, prep, o) for o in sorted(final.outputs, key=lambda o: o.index)]
+    usage = _usage(prep.prompt_ids, final.outputs, final.num_cached_tokens)
+    ctx.metrics.count_tokens(usage.prompt_tokens, usage.completion_tokens)
+    ctx.metrics.observe_latency(first_token, time.monotonic() - start)
+    return ChatCompletionResponse(id=prep.request_id, model=ctx.model_name, choices=choices, usage=usage)
+
+
+def _chat_choice(ctx: ServingContext, prep: PreparedChat, output: Any) -> ChatChoice:
+    text = output.text
+    reasoning = None
+    if ctx.settings.enable_reasoning:
+        reasoning, text = split_reasoning(text)
+    calls: list[ParsedToolCall] = []
+    if prep.parse_tools:
+        parsed = parse_tool_output(text, prep.tools)
+        text, calls = parsed.content, parsed.calls
+        check_tool_calls(ctx, prep.request_id, calls, parsed.section_opened, prep.tools)
+    finish = _finish_reason(output.finish_reason, bool(calls))
+    ctx.metrics.count_finish(finish)
+    message = AssistantMessage(
+        content=text if (text or not calls) else None,
+        reasoning_content=reasoning,
+        tool_calls=[_tool_call_out(c) for c in calls] or None,
+    )
+    logprobs = None
+    if prep.req.logprobs:
+        logprobs = ChoiceLogprobs(content=chat_logprobs(ctx.tokenizer, output.logprobs or [], prep.top_logprobs))
+    return ChatChoice(index=output.index, message=message, logprobs=logprobs, finish_reason=finish)
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+@dataclass
+class _ChoiceStream:
+    """Per-choice streaming state: how much of the cumulative output was already sent, and the parsers."""
+
+    index: int
+    tool_parser: StreamingToolParser | None
+    reasoning_parser: StreamingReasoningParser | None
+    text_sent: int = 0
+    tokens_sent: int = 0
+    args_sent: dict[int, str] = field(default_factory=dict)  # call index -> arguments streamed so far
+    done: bool = False
+
+    def advance(self, new_text: str, final: bool) -> ChatDelta:
+        """Content / reasoning / tool-call deltas for `new_text` (plus the parsers' held-back tail if final)."""
+        delta = ChatDelta()
+        reasoning, content = "", new_text
+        if self.reasoning_parser is not None:
+            r = self.reasoning_parser.feed(new_text)
+            reasoning, content = r.reasoning, r.content
+            if final:
+                tail = self.reasoning_parser.finish()
+                reasoning, content = reasoning + tail.reasoning, content + tail.content
+        calls: list[ToolCallDeltaOut] = []
+        if self.tool_parser is not None:
+            parts = [self.tool_parser.feed(content)]
+            if final:
+                parts.append(self.tool_parser.finish())
+            content = "".join(p.content for p in parts)
+            for part in parts:
+                for d in part.tool_calls:
+                    self._merge_call_delta(calls, d)
+            if final:
+                for call in self.tool_parser.calls:
+                    if not self.args_sent.get(call.index):
+                        self._merge_call_delta(calls, _ArgsOnly(call.index, NO_ARGUMENTS))
+        delta.reasoning_content = reasoning or None
+        delta.content = content or None
+        delta.tool_calls = calls or None
+        return delta
+
+    def _merge_call_delta(self, calls: list[ToolCallDeltaOut], d: Any) -> None:
+        if d.id is not None:  # the header: id, type and the complete name, exactly once per call
+            self.args_sent.setdefault(d.index, "")
+            calls.append(ToolCallDeltaOut(index=d.index, id=d.id, type="function",
+                                          function=FunctionCallDelta(name=d.name, arguments="")))
+        if d.arguments:
+            self.args_sent[d.index] = self.args_sent.get(d.index, "") + d.arguments
+            if calls and calls[-1].index == d.index:
+                calls[-1].function.arguments = (calls[-1].function.arguments or "") + d.arguments
+            else:
+                calls.append(ToolCallDeltaOut(index=d.index, function=FunctionCallDelta(arguments=d.arguments)))
+
+
+@dataclass
+class _ArgsOnly:
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
+def _delta_is_empty(delta: ChatDelta) -> bool:
+    return delta.content is None and delta.reasoning_content is None and delta.tool_calls is None
+
+
+async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[str]:
+    """SSE events for one request. Abandoning the iterator (client gone) aborts the engine request."""
+    include_usage = bool(prep.req.stream_options and prep.req.stream_options.include_usage)
+    rid, model, created = prep.request_id, ctx.model_name, int(time.time())
+
+    def chunk(choice: ChatChunkChoice) -> str:
+        return sse_event(ChatCompletionChunk(id=rid, model=model, created=created, choices=[choice]))
+
+    states = [
+        _ChoiceStream(
+            index=i,
+            tool_parser=StreamingToolParser(prep.tools) if prep.parse_tools else None,
+            reasoning_parser=StreamingReasoningParser() if ctx.settings.enable_reasoning else None,
+        )
+        for i in range(prep.params.n)
+    ]
+    start = time.monotonic()
+    first_token: float | None = None
+    final = None
+    try:
+        for state in states:
+            yield chunk(ChatChunkChoice(index=state.index, delta=ChatDelta(role="assistant", content="")))
+        async for out in ctx.engine.generate(prep.request_id, prep.prompt_ids, prep.params):
+            final = out
+            for output in out.outputs:
+                state = states[output.index]
+                if state.done:
+                    continue
+                if first_token is None and output.token_ids:
+                    first_token = time.monotonic() - start
+                finished = output.finish_reason is not None
+                delta = state.advance(output.text[state.text_sent:], final=finished)
+                state.text_sent = len(output.text)
+                logprobs = None
+                if prep.req.logprobs:
+                    new = (output.logprobs or [])[state.tokens_sent:]
+                    logprobs = ChoiceLogprobs(content=chat_logprobs(ctx.tokenizer, new, prep.top_logprobs))
+                state.tokens_sent = len(output.token_ids)
+                if not _delta_is_empty(delta) or (logprobs is not None and logprobs.content):
+                    yield chunk(ChatChunkChoice(index=state.index, delta=delta, logprobs=logprobs))
+                if finished:
+                    state.done = True
+                    yield chunk(_final_choice(ctx, prep, state, output.finish_reason))
+            if out.finished:
+                break
+    except Exception as exc:  # the status line is already sent: report in-band, then end the stream
+        logger.exception("request %s: error while streaming", rid)
+        yield sse_event(APIError(500, f"internal error while streaming: {type(exc).__name__}").body())
+        yield sse_done()
+        return
+    finally:
+        if final is None or not final.finished:
+            await ctx.abort(rid)
+    if include_usage and final is not None:
+        usage = _usage(prep.prompt_ids, final.outputs, final.num_cached_tokens)
+        yield sse_event(ChatCompletionChunk(id=rid, model=model, created=created, choices=[], usage=usage))
+    if final is not None:
+        usage = _usage(prep.prompt_ids, final.outputs, final.num_cached_tokens)
+        ctx.metrics.count_tokens(usage.prompt_tokens, usage.completion_tokens)
+    ctx.metrics.observe_latency(first_token, time.monotonic() - start)
+    yield sse_done()
+
+
+def _final_choice(ctx: ServingContext, prep: PreparedChat, state: _ChoiceStream, engine_reason: str) -> ChatChunkChoice:
+    calls: list[ParsedToolCall] = []
+    if state.tool_parser is not None:
+        calls = state.tool_parser.calls
+        check_tool_calls(ctx, prep.request_id, calls, state.tool_parser.section_opened, prep.tools)
+    finish = _finish_reason(engine_reason, bool(calls))
+    ctx.metrics.count_finish(finish)
+    return ChatChunkChoice(index=state.index, delta=ChatDelta(), finish_reason=finish)

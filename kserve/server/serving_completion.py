@@ -1,0 +1,212 @@
+"""`POST /v1/completions`: raw prompts (strings or token ids), echo, n, stop and logprobs.
+
+This is K2's manual-parse flow: the client renders the chat template itself, so prompt strings are encoded with
+special tokens recognized, and output keeps special tokens (the tool-call markers) unless the client asks
+`skip_special_tokens: true`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from kserve.server.context import ServingContext, disconnected, new_request_id
+from kserve.server.errors import APIError, bad_request
+from kserve.server.logprobs import completion_logprobs
+from kserve.server.protocol import (
+    UNSUPPORTED_COMPLETION_FIELDS,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from kserve.server.sampling import build_sampling_params, fit_max_tokens
+from kserve.server.sse import sse_done, sse_event
+from kserve.server.validation import normalize_stop, reject_unsupported
+
+
+@dataclass
+class PreparedPrompt:
+    request_id: str
+    prompt_ids: list[int]
+    prompt_text: str
+    params: Any  # SamplingParams
+
+
+@dataclass
+class PreparedCompletion:
+    request_id: str
+    req: CompletionRequest
+    prompts: list[PreparedPrompt]
+
+
+def _prompt_list(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("'prompt' must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def prepare_completion(ctx: ServingContext, raw: dict[str, Any]) -> PreparedCompletion:
+    reject_unsupported(raw, UNSUPPORTED_COMPLETION_FIELDS)
+    req = CompletionRequest.model_validate(raw)
+    ctx.check_model(req.model)
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "'best_of' different from 'n' is not supported", param="best_of",
+                       code="unsupported_parameter")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "'echo' together with 'logprobs' is not supported (prompt logprobs are not computed)",
+                       param="echo", code="unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    stop = normalize_stop(req.stop)
+    request_id = new_request_id("cmpl")
+    prompts: list[PreparedPrompt] = []
+    for i, prompt in enumerate(_prompt_list(req.prompt)):
+        where = "prompt" if isinstance(req.prompt, str) or not isinstance(req.prompt[0], list) else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad_request(f"'{where}' must not be empty", where)
+            ids = ctx.tokenizer.encode(prompt, allow_special_tokens=True)
+            text = prompt
+        else:
+            if not prompt:
+                raise bad_request(f"'{where}' must not be an empty token list", where)
+            bad = [t for t in prompt if not 0 <= t < ctx.vocab_size]
+            if bad:
+                raise bad_request(f"'{where}' holds token ids outside [0, {ctx.vocab_size}): {bad[:5]}", where,
+                                  "invalid_token_id")
+            ids = prompt
+            text = ctx.tokenizer.decode(ids, skip_special_tokens=False)
+        max_tokens = fit_max_tokens(len(ids), req.max_tokens, ctx.max_model_len)
+        params = build_sampling_params(req, max_tokens=max_tokens, stop=stop, logprobs=req.logprobs,
+                                       skip_special_tokens=req.skip_special_tokens, vocab_size=ctx.vocab_size)
+        prompts.append(PreparedPrompt(f"{request_id}-{i}", ids, text, params))
+    return PreparedCompletion(request_id, req, prompts)
+
+
+def _usage(prep: PreparedCompletion, finals: list[Any]) -> UsageInfo:
+    prompt = sum(len(p.prompt_ids) for p in prep.prompts)
+    completion = sum(len(o.token_ids) for f in finals if f is not None for o in f.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _finish(reason: str | None) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+async def _merged(ctx: ServingContext, prep: PreparedCompletion) -> AsyncIterator[tuple[int, Any]]:
+    """(prompt index, snapshot) from all prompts' generations, as they arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, p: PreparedPrompt) -> None:
+        try:
+            async for out in ctx.engine.generate(p.request_id, p.prompt_ids, p.params):
+                await queue.put((i, out, None))
+        except Exception as exc:  # surfaced to the consumer
+            await queue.put((i, None, exc))
+        finally:
+            await queue.put((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prep.prompts)]
+    live = len(tasks)
+    finished: set[int] = set()
+    try:
+        while live:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                live -= 1
+                continue
+            if out.finished:
+                finished.add(i)
+            yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        for i, p in enumerate(prep.prompts):
+            if i not in finished:
+                await ctx.abort(p.request_id)
+
+
+def _choice(ctx: ServingContext, prep: PreparedCompletion, i: int, output: Any) -> CompletionChoice:
+    req, prompt = prep.req, prep.prompts[i]
+    prefix = prompt.prompt_text if req.echo else ""
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = completion_logprobs(ctx.tokenizer, output.logprobs or [], req.logprobs, len(prefix))
+    return CompletionChoice(index=i * req.n + output.index, text=prefix + output.text, logprobs=logprobs,
+                            finish_reason=_finish(output.finish_reason))
+
+
+async def run_completion(ctx: ServingContext, prep: PreparedCompletion, request: Any) -> CompletionResponse:
+    start = time.monotonic()
+    finals: list[Any] = [None] * len(prep.prompts)
+    async for i, out in _merged(ctx, prep):
+        finals[i] = out
+        if await disconnected(request):
+            break
+    if any(f is None or not f.finished for f in finals):
+        raise APIError(500, "request aborted before it finished", code="aborted")
+    choices = [_choice(ctx, prep, i, o) for i, f in enumerate(finals) for o in sorted(f.outputs, key=lambda o: o.index)]
+    for c in choices:
+        ctx.metrics.count_finish(c.finish_reason)
+    usage = _usage(prep, finals)
+    ctx.metrics.count_tokens(usage.prompt_tokens, usage.completion_tokens)
+    ctx.metrics.observe_latency(None, time.monotonic() - start)
+    return CompletionResponse(id=prep.request_id, model=ctx.model_name, choices=choices, usage=usage)
+
+
+async def stream_completion(ctx: ServingContext, prep: PreparedCompletion) -> AsyncIterator[str]:
+    req, rid, model, created = prep.req, prep.request_id, ctx.model_name, int(time.time())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    text_sent: dict[int, int] = {}
+    tokens_sent: dict[int, int] = {}
+    finals: list[Any] = [None] * len(prep.prompts)
+    done: set[int] = set()
+
+    def chunk(index: int, text: str, logprobs: Any = None, finish: str | None = None) -> str:
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)
+        return sse_event(CompletionResponse(id=rid, model=model, created=created, choices=[choice]))
+
+    try:
+        if req.echo:
+            for i, p in enumerate(prep.prompts):
+                for j in range(req.n):
+                    yield chunk(i * req.n + j, p.prompt_text)
+        async for i, out in _merged(ctx, prep):
+            finals[i] = out
+            for output in out.outputs:
+                index = i * req.n + output.index
+                if index in done:
+                    continue
+                new_text = output.text[text_sent.get(index, 0):]
+                offset = text_sent.get(index, 0) + (len(prep.prompts[i].prompt_text) if req.echo else 0)
+                logprobs = None
+                if req.logprobs is not None:
+                    new = (output.logprobs or [])[tokens_sent.get(index, 0):]
+                    logprobs = completion_logprobs(ctx.tokenizer, new, req.logprobs, offset)
+                text_sent[index] = len(output.text)
+                tokens_sent[index] = len(output.token_ids)
+                if new_text or (logprobs is not None and logprobs.tokens):
+                    yield chunk(index, new_text, logprobs)
+                if output.finish_reason is not None:
+                    done.add(index)
+                    finish = _finish(output.finish_reason)
+                    ctx.metrics.count_finish(finish)
+                    yield chunk(index, "", None, finish)
+    except Exception as exc:
+        yield sse_event(APIError(500, f"internal error while streaming: {type(exc).__name__}").body())
+        yield sse_done()
+        return
+    usage = _usage(prep, finals)
+    ctx.metrics.count_tokens(usage.prompt_tokens, usage.completion_tokens)
+    if include_usage:
+        yield sse_event(CompletionResponse(id=rid, model=model, created=created, choices=[], usage=usage))
+    yield sse_done()

@@ -1,0 +1,29 @@
+"""JSON bodies and server-sent events in OpenAI's wire shape."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel
+
+# Keys OpenAI always sends (as null when empty); every other None is left out of the body.
+_CHOICE_KEYS = ("logprobs", "finish_reason")
+
+
+def openai_json(body: BaseModel | dict[str, Any]) -> dict[str, Any]:
+    data = body.model_dump(exclude_none=True, by_alias=True) if isinstance(body, BaseModel) else body
+    for choice in data.get("choices", ()) if isinstance(data.get("choices"), list) else ():
+        for key in _CHOICE_KEYS:
+            choice.setdefault(key, None)
+        if "message" in choice:
+            choice["message"].setdefault("content", None)
+    return data
+
+
+def sse_event(body: BaseModel | dict[str, Any]) -> str:
+    return f"data: {json.dumps(openai_json(body), ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_done() -> str:
+    return "data: [DONE]\n\n"

@@ -1,0 +1,192 @@
+"""Request checks that go beyond field types: roles, tools, tool_choice, response_format, stops.
+
+Each check raises `APIError` (400) with a message that names the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+
+from kserve.server.errors import APIError, bad_request
+from kserve.server.protocol import (
+    MAX_STOP_SEQUENCES,
+    ChatCompletionRequest,
+    ChatMessage,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolDefinition,
+)
+
+# `_input` is the K2 vendor verifier's resource role; its client rewrites it to system/"resource".
+ROLE_ALIASES = {"developer": ("system", None), "_input": ("system", "resource")}
+ROLES = ("system", "user", "assistant", "tool")
+TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+
+
+def reject_unsupported(raw: dict[str, Any], unsupported: dict[str, str]) -> None:
+    present = [k for k in unsupported if raw.get(k) is not None]
+    if present:
+        reasons = "; ".join(unsupported[k] for k in present)
+        raise APIError(400, f"unsupported parameter{'s' if len(present) > 1 else ''} "
+                            f"{', '.join(repr(k) for k in present)}: {reasons}",
+                       param=present[0], code="unsupported_parameter")
+
+
+def normalize_stop(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise bad_request(f"'stop' may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}", "stop")
+    if any(s == "" for s in stops):
+        raise bad_request("'stop' sequences must be non-empty strings", "stop")
+    return stops
+
+
+def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Validated messages as plain dicts for the chat template (aliases resolved, None fields dropped)."""
+    if not messages:
+        raise bad_request("'messages' must contain at least one message", "messages", "empty_messages")
+    out: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        role, default_name = msg.role, None
+        if role in ROLE_ALIASES:
+            role, default_name = ROLE_ALIASES[role]
+        if role not in ROLES:
+            allowed = ", ".join(ROLES + tuple(ROLE_ALIASES))
+            raise bad_request(f"{where}.role {msg.role!r} is not one of: {allowed}", f"{where}.role", "invalid_role")
+        item: dict[str, Any] = {"role": role}
+        name = msg.name or default_name
+        if name is not None:
+            item["name"] = name
+        item["content"] = _content(msg, where, role)
+        if msg.tool_calls:
+            if role != "assistant":
+                raise bad_request(f"{where}: only assistant messages may carry 'tool_calls'", f"{where}.tool_calls")
+            item["tool_calls"] = [_history_call(tc, f"{where}.tool_calls[{j}]") for j, tc in enumerate(msg.tool_calls)]
+        if role == "tool":
+            if msg.tool_call_id is None:
+                raise bad_request(f"{where}: a tool message needs 'tool_call_id'", f"{where}.tool_call_id",
+                                  "missing_required_parameter")
+            item["tool_call_id"] = msg.tool_call_id
+        if msg.reasoning_content is not None and role == "assistant":
+            item["reasoning_content"] = msg.reasoning_content
+        if role == "user" and item["content"] is None:
+            raise bad_request(f"{where}: a user message needs 'content'", f"{where}.content",
+                              "missing_required_parameter")
+        out.append(item)
+    return out
+
+
+def _content(msg: ChatMessage, where: str, role: str) -> str | None:
+    content = msg.content
+    if content is None:
+        return "" if role == "tool" else None
+    if isinstance(content, str):
+        return content
+    # Text parts are joined with nothing between them, as K2's template concatenates them; a string
+    # also keeps tool and assistant turns from rendering a Python list literal (vLLM's K2 bug).
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        if part.type != "text":
+            raise bad_request(f"{where}.content[{j}]: content part type {part.type!r} is not supported "
+                              "(this model takes text only)", f"{where}.content[{j}].type", "unsupported_content")
+        if part.text is None:
+            raise bad_request(f"{where}.content[{j}]: a text part needs 'text'", f"{where}.content[{j}].text",
+                              "missing_required_parameter")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _history_call(tc: Any, where: str) -> dict[str, Any]:
+    if tc.type != "function":
+        raise bad_request(f"{where}.type must be 'function', got {tc.type!r}", f"{where}.type")
+    args = tc.function.arguments
+    if not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    call: dict[str, Any] = {"type": "function", "function": {"name": tc.function.name, "arguments": args}}
+    if tc.id is not None:
+        call["id"] = tc.id
+    return call
+
+
+def tool_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema a call's arguments must satisfy (no `parameters` means no arguments constraint)."""
+    params = tool["function"].get("parameters")
+    return params if params is not None else {"type": "object"}
+
+
+def normalize_tools(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
+    """Tools as dicts in the order and shape the client sent them; schemas are checked to be valid."""
+    if tools is None:
+        return None
+    seen: set[str] = set()
+    out: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if tool.type != "function":
+            raise bad_request(f"{where}.type must be 'function', got {tool.type!r}", f"{where}.type")
+        name = tool.function.name
+        if not TOOL_NAME_RE.match(name):
+            raise bad_request(f"{where}.function.name {name!r} must be 1-64 characters of a-z, A-Z, 0-9, "
+                              "'_', '-' or '.'", f"{where}.function.name", "invalid_tool_name")
+        if name in seen:
+            raise bad_request(f"{where}: duplicate tool name {name!r}", f"{where}.function.name", "duplicate_tool")
+        seen.add(name)
+        params = tool.function.parameters
+        if params is not None:
+            try:
+                jsonschema.validators.validator_for(params).check_schema(params)
+            except jsonschema.SchemaError as exc:
+                path = "/".join(str(p) for p in exc.path) or "(root)"
+                raise bad_request(f"{where}.function.parameters is not a valid JSON schema at {path}: "
+                                  f"{exc.message}", f"{where}.function.parameters", "invalid_tool_schema") from None
+        out.append(tool.model_dump(exclude_none=True, by_alias=True))
+    return out
+
+
+def resolve_tool_choice(choice: str | NamedToolChoice | None, tools: list[dict[str, Any]] | None) -> str | dict:
+    """'none' | 'auto' | 'required' | {"type": "function", "function": {"name": ...}}; checked against tools."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICE_MODES:
+            raise bad_request(f"'tool_choice' must be one of {', '.join(TOOL_CHOICE_MODES)} or a named function, "
+                              f"got {choice!r}", "tool_choice")
+        if choice == "required" and not tools:
+            raise bad_request("'tool_choice' is 'required' but no 'tools' were given", "tool_choice")
+        return choice
+    if choice.type != "function":
+        raise bad_request(f"'tool_choice.type' must be 'function', got {choice.type!r}", "tool_choice.type")
+    names = [t["function"]["name"] for t in tools or []]
+    if choice.function.name not in names:
+        raise bad_request(f"'tool_choice' names function {choice.function.name!r}, which is not in 'tools' "
+                          f"(declared: {', '.join(names) or 'none'})", "tool_choice.function.name",
+                          "unknown_tool")
+    return {"type": "function", "function": {"name": choice.function.name}}
+
+
+def check_response_format(fmt: ResponseFormat | None) -> None:
+    if fmt is None or fmt.type != "json_schema":
+        return
+    if fmt.json_schema is None:
+        raise bad_request("'response_format' of type 'json_schema' needs a 'json_schema' object",
+                          "response_format.json_schema", "missing_required_parameter")
+    schema = fmt.json_schema.schema_
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise bad_request(f"'response_format.json_schema.schema' is not a valid JSON schema: {exc.message}",
+                          "response_format.json_schema.schema", "invalid_schema") from None
+
+
+def check_chat_request(req: ChatCompletionRequest) -> None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    check_response_format(req.response_format)
