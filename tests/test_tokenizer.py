@@ -51,17 +51,15 @@ def test_long_runs_are_cut_every_25000_chars(tok):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.text(max_size=60))
-def test_round_trip_random_unicode(text):
-    tok = _module_tok()
+@given(text=st.text(max_size=60))
+def test_round_trip_random_unicode(tok, text):
     assert tok.decode(tok.encode(text)) == text
     assert tok.decode(tok.encode(text, allow_special_tokens=False)) == text
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.text(max_size=40), st.lists(st.integers(1, 4), min_size=1, max_size=20))
-def test_incremental_detokenizer_matches_full_decode(text, steps):
-    tok = _module_tok()
+@given(text=st.text(max_size=40), steps=st.lists(st.integers(1, 4), min_size=1, max_size=20))
+def test_incremental_detokenizer_matches_full_decode(tok, text, steps):
     ids = tok.encode(text)
     detok = tok.detokenizer()
     pieces, i, k = [], 0, 0
@@ -75,9 +73,8 @@ def test_incremental_detokenizer_matches_full_decode(text, steps):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 163583), max_size=12))
-def test_incremental_detokenizer_on_arbitrary_byte_tokens(ids):
-    tok = _module_tok()
+@given(ids=st.lists(st.integers(0, 163583), max_size=12))
+def test_incremental_detokenizer_on_arbitrary_byte_tokens(tok, ids):
     detok = tok.detokenizer()
     assert "".join(detok.add([t]) for t in ids) + detok.flush() == tok.decode(ids)
 
@@ -88,15 +85,6 @@ def test_detokenizer_holds_back_split_multibyte_char(tok):
     detok = tok.detokenizer()
     assert detok.add(ids[:1]) == ""
     assert detok.add(ids[1:]) == "🤖"
-
-
-_TOK_CACHE: list = []
-
-
-def _module_tok():
-    if not _TOK_CACHE:
-        _TOK_CACHE.append(real_tokenizer())
-    return _TOK_CACHE[0]
 
 
 def _write_small_tokenizer(path, n_base: int, absolute_k2_ids: bool) -> None:

@@ -28,14 +28,8 @@ MEDIA_PLACEHOLDER = "<|media_start|>image<|media_content|><|media_pad|><|media_e
 
 
 def _text(value: Any) -> str:
-    """How jinja prints a value (None prints as 'None'; a missing key would print nothing)."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return str(value)
-    return str(value)
+    """How the template prints a field; a null field prints nothing (as when HF drops None-valued keys)."""
+    return "" if value is None else str(value)
 
 
 def _is_image_part(part: dict) -> bool:

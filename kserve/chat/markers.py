@@ -25,15 +25,26 @@ THINK_END = "</think>"
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 
 
-def partial_marker_suffix(text: str, markers: tuple[str, ...], start: int = 0) -> int:
-    """Length of the longest suffix of ``text[start:]`` that is a proper prefix of one of ``markers``.
+class PartialMarkerMatcher:
+    """Finds the longest suffix of a text that is a proper prefix of one of ``markers`` (a marker still arriving).
 
-    Only the last ``max(len(marker)) - 1`` characters are examined, so the cost does not grow with ``text``.
+    Only the last ``max(len(marker)) - 1`` characters are examined, and only at characters that can start a marker,
+    so the cost does not grow with the text.
     """
-    longest = max(len(m) for m in markers) - 1
-    first = max(start, len(text) - longest)
-    for i in range(first, len(text)):
-        tail = text[i:]
-        if any(m.startswith(tail) for m in markers):
-            return len(text) - i
-    return 0
+
+    def __init__(self, markers: tuple[str, ...]):
+        self._prefixes = frozenset(m[:k] for m in markers for k in range(1, len(m)))
+        self._first_chars = "".join(sorted({m[0] for m in markers}))
+        self._window = max(len(m) for m in markers) - 1
+
+    def suffix_len(self, text: str, start: int = 0) -> int:
+        first = max(start, len(text) - self._window)
+        best = -1
+        for ch in self._first_chars:
+            i = text.find(ch, first)
+            while i != -1 and (best == -1 or i < best):
+                if text[i:] in self._prefixes:
+                    best = i
+                    break
+                i = text.find(ch, i + 1)
+        return 0 if best == -1 else len(text) - best

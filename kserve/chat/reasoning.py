@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kserve.chat.markers import SECTION_BEGIN, THINK_BEGIN, THINK_END, partial_marker_suffix
+from kserve.chat.markers import SECTION_BEGIN, THINK_BEGIN, THINK_END, PartialMarkerMatcher
 
 _ENDS = (THINK_END, SECTION_BEGIN)
+_PARTIAL_END = PartialMarkerMatcher(_ENDS)
 
 
 @dataclass
@@ -43,7 +44,7 @@ class StreamingReasoningParser:
         if self._state == "reasoning":
             end, marker = self._find_end(text)
             if end < 0:
-                hold = partial_marker_suffix(text, _ENDS)
+                hold = _PARTIAL_END.suffix_len(text)
                 out.reasoning = text[: len(text) - hold]
                 self._pending = text[len(text) - hold:]
                 return out

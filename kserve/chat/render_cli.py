@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import TextIO
 
 from kserve.chat.template import ChatTemplate
@@ -15,10 +16,10 @@ def run_render(args, stdin: TextIO, stdout: TextIO) -> int:
     try:
         request = json.loads(stdin.read())
     except json.JSONDecodeError as exc:
-        print(f"error: request is not valid JSON: {exc}", file=stdout)
+        print(f"error: request is not valid JSON: {exc}", file=sys.stderr)
         return 2
     if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
-        print("error: request must be a JSON object with a 'messages' list", file=stdout)
+        print("error: request must be a JSON object with a 'messages' list", file=sys.stderr)
         return 2
     model_dir = getattr(args, "model_dir", None)
     if model_dir is None:
@@ -32,7 +33,7 @@ def run_render(args, stdin: TextIO, stdout: TextIO) -> int:
     try:
         prompt = template.render(messages, tools, add_generation_prompt)
     except Exception as exc:
-        print(f"error: cannot render the request: {exc}", file=stdout)
+        print(f"error: cannot render the request: {exc}", file=sys.stderr)
         return 2
     stdout.write(prompt + "\n")
     if getattr(args, "ids", False):

@@ -35,12 +35,13 @@ from kserve.chat.markers import (
     SECTION_END,
     SECTION_END_ALIAS,
     TOOL_MARKERS,
-    partial_marker_suffix,
+    PartialMarkerMatcher,
 )
 
 _MARKER_RE = re.compile("|".join(re.escape(m) for m in sorted(TOOL_MARKERS, key=len, reverse=True)))
 _HEADER_RE = re.compile(r"(?P<name>.+):(?P<idx>\d+)", re.DOTALL)
 _FUNCTIONS_PREFIX = "functions."
+_PARTIAL_MARKER = PartialMarkerMatcher(TOOL_MARKERS)
 
 
 @dataclass
@@ -144,7 +145,7 @@ class StreamingToolParser:
             self._plain(text[pos : match.start()])
             self._marker(match.group())
             pos = match.end()
-        hold = partial_marker_suffix(text, TOOL_MARKERS, pos)
+        hold = _PARTIAL_MARKER.suffix_len(text, pos)
         self._plain(text[pos : len(text) - hold])
         self._pending = text[len(text) - hold :]
         return self._take()
