@@ -52,7 +52,7 @@ class ShardReader:
         self.model_dir = model_dir
         self.weight_map = weight_map
         self.stack = stack
-        self.handles: dict[str, object] = {}
+        self.handles: dict[str, tuple[object, set[str]]] = {}
 
     def _handle(self, name: str, what: str):
         from safetensors import safe_open
@@ -64,9 +64,10 @@ class ShardReader:
             path = self.model_dir / file
             if not path.is_file():
                 raise CheckpointError(f"{what} {name!r} is listed in shard {file}, which does not exist")
-            self.handles[file] = self.stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-        handle = self.handles[file]
-        if name not in handle.keys():
+            handle = self.stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            self.handles[file] = (handle, set(handle.keys()))
+        handle, names = self.handles[file]
+        if name not in names:
             raise CheckpointError(f"{what} {name!r} is missing from {self.model_dir / file}")
         return handle, file
 
@@ -86,7 +87,7 @@ def _read_spec(reader: ShardReader, spec: TensorSpec, config: ModelConfig, out_d
     if spec.kind == FP8:
         weight = reader.read(spec.name, spec.shape, (torch.float8_e4m3fn,), "fp8 weight")
         block = config.quantization_config.weight_block_size
-        scale = reader.read(spec.scale_name, scale_shape(spec.shape, block), (torch.float32,), f"scale of {spec.name!r}:")
+        scale = reader.read(spec.scale_name, scale_shape(spec.shape, block), (torch.float32,), "fp8 scale")
         return dequantize_blocks(weight, scale, block, out_dtype)
     allowed = (torch.bfloat16, torch.float16, torch.float32)
     return reader.read(spec.name, spec.shape, allowed).to(out_dtype)

@@ -1,0 +1,171 @@
+"""`kserve make-tiny`: K2's published layout, determinism, round trip into kserve and transformers."""
+
+import base64
+import hashlib
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from kserve.config import ModelConfig
+from kserve.tiny_checkpoint import BASE_VOCAB, ensure_embedded_model, write_tiny_checkpoint
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def digests(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def all_tensors(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for shard in sorted(d.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def test_same_seed_gives_byte_identical_files(tiny_k2_dir, tmp_path):
+    again = write_tiny_checkpoint(tmp_path / "again", seed=0, variant="k2")  # the fixture ran the CLI
+    assert digests(again) == digests(tiny_k2_dir)
+    other = write_tiny_checkpoint(tmp_path / "seed1", seed=1)
+    diff = {k for k, v in digests(other).items() if digests(tiny_k2_dir)[k] != v}
+    assert any(k.endswith(".safetensors") for k in diff)
+    assert "tiktoken.model" not in diff and "config.json" not in diff
+
+
+def test_layout_matches_k2(tiny_k2_dir):
+    d = tiny_k2_dir
+    names = {p.name for p in d.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "tiktoken.model", "tokenizer_config.json"} <= names
+    assert not any("chat_template" in n for n in names)
+    shards = sorted(d.glob("*.safetensors"))
+    assert len(shards) >= 2
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    tensors = all_tensors(d)
+    assert set(index["weight_map"]) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+
+    raw = json.loads((d / "config.json").read_text())
+    cfg = ModelConfig.from_dict(raw)
+    assert raw["model_type"] == "kimi_k2" and raw["quantization_config"]["weight_block_size"] == [128, 128]
+    assert cfg.vocab_size == BASE_VOCAB + 256 == 2048
+    assert cfg.num_attention_heads % 4 == 0 and cfg.n_routed_experts % 4 == 0
+    assert cfg.n_routed_experts >= 16 and cfg.num_experts_per_tok == 4 and cfg.n_shared_experts == 1
+    assert not cfg.is_moe_layer(0) and cfg.is_moe_layer(1)
+    assert cfg.kv_cache_dim % 128 != 0  # kv_a_proj_with_mqa has a ragged FP8 block, like K2's 576
+
+    quantized = [n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
+    for n in quantized:
+        s = tensors[n + "_scale_inv"]
+        rows, cols = tensors[n].shape
+        assert s.dtype == torch.float32 and tuple(s.shape) == (-(-rows // 128), -(-cols // 128)), n
+    for part in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "experts.0.gate_proj",
+                 "shared_experts.down_proj", "layers.0.mlp.up_proj"):
+        assert any(part in n for n in quantized), part
+    bf16 = [n for n, t in tensors.items() if t.dtype == torch.bfloat16]
+    assert "model.embed_tokens.weight" in bf16 and "lm_head.weight" in bf16 and "model.norm.weight" in bf16
+    assert "model.layers.1.mlp.gate.weight" in bf16 and "model.layers.1.self_attn.kv_a_layernorm.weight" in bf16
+    bias = tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and (bias != 0).all()
+
+
+def test_tokenizer_files_follow_k2_format(tiny_k2_dir):
+    lines = (tiny_k2_dir / "tiktoken.model").read_text().splitlines()
+    assert len(lines) == BASE_VOCAB
+    tokens = []
+    for rank, line in enumerate(lines):
+        b64, r = line.split(" ")
+        assert int(r) == rank
+        tokens.append(base64.b64decode(b64))
+    assert len(set(tokens)) == BASE_VOCAB
+    assert sorted(t[0] for t in tokens if len(t) == 1) == list(range(256))
+    assert tokens[0] == b"!"  # GPT-2 byte order, as K2's
+    tc = json.loads((tiny_k2_dir / "tokenizer_config.json").read_text())
+    by_name = {v["content"]: int(k) for k, v in tc["added_tokens_decoder"].items()}
+    B = BASE_VOCAB
+    assert by_name["[BOS]"] == B and by_name["[EOS]"] == B + 1 and by_name["<|im_end|>"] == B + 2
+    assert by_name["<|im_user|>"] == B + 3 and by_name["<|im_assistant|>"] == B + 4 and by_name["<|im_system|>"] == B + 10
+    assert by_name["<|im_middle|>"] == B + 17 and by_name["[UNK]"] == B + 254 and by_name["[PAD]"] == B + 255
+    markers = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+               "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+    assert [by_name[m] for m in markers] == list(range(B + 11, B + 16))
+    assert all(not tc["added_tokens_decoder"][str(by_name[m])]["special"] for m in markers)
+    assert (tc["bos_token"], tc["eos_token"], tc["unk_token"], tc["pad_token"]) == ("[BOS]", "[EOS]", "[UNK]", "[PAD]")
+    gen = json.loads((tiny_k2_dir / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == by_name["<|im_end|>"]
+    cfg = json.loads((tiny_k2_dir / "config.json").read_text())
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (B, B + 1)
+
+
+def test_tokenizer_config_mirrors_the_real_k2_file(tiny_k2_dir):
+    real_path = SHARED / "kimi_k2" / "tokenizer_config.json"
+    if not real_path.is_file():
+        pytest.skip("../shared/kimi_k2/tokenizer_config.json is absent")
+    real = json.loads(real_path.read_text())
+    ours = json.loads((tiny_k2_dir / "tokenizer_config.json").read_text())
+    shifted = {str(int(k) - 163584 + BASE_VOCAB): v for k, v in real["added_tokens_decoder"].items()}
+    assert ours["added_tokens_decoder"] == shifted
+    for key in set(real) - {"added_tokens_decoder", "auto_map"}:
+        assert ours[key] == real[key], key
+
+
+def test_tiktoken_encodes_text_with_the_learned_merges(tiny_k2_dir):
+    tiktoken = pytest.importorskip("tiktoken")
+    from tiktoken.load import load_tiktoken_bpe
+
+    from kserve.tiny_checkpoint import K2_PAT_STR
+
+    ranks = load_tiktoken_bpe(str(tiny_k2_dir / "tiktoken.model"))
+    enc = tiktoken.Encoding(name="tiny", pat_str=K2_PAT_STR, mergeable_ranks=ranks, special_tokens={})
+    for text in ["Hello, world! The weather in Beijing.", '{"name": "get_weather"}', "你好，世界 Ça va? 😀"]:
+        ids = enc.encode(text)
+        assert enc.decode(ids) == text
+        assert len(ids) < len(text.encode("utf-8"))  # merges actually apply
+
+
+def test_v3_variant_uses_group_limited_routing(tiny_v3_dir):
+    cfg = ModelConfig.from_model_dir(tiny_v3_dir)
+    assert cfg.model_type == "deepseek_v3" and cfg.n_group > 1 and cfg.topk_group > 1
+    assert cfg.n_routed_experts % cfg.n_group == 0
+
+
+def test_round_trip_loads_in_kserve_and_transformers(tiny_k2_dir):
+    pytest.importorskip("transformers")
+    from kserve.model import load_model
+    from kserve.model.hf_reference import build_hf_reference
+
+    ours, hf = load_model(tiny_k2_dir), build_hf_reference(tiny_k2_dir)
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    assert torch.equal(ours.lm_head.weight, hf.lm_head.weight)
+    assert torch.equal(
+        ours.model.layers[3].mlp.experts.gate_up_proj, hf.model.layers[3].mlp.experts.gate_up_proj
+    )
+
+
+def test_ensure_embedded_model_builds_once_under_concurrency(tmp_path, monkeypatch, tiny_k2_dir):
+    monkeypatch.setenv("KSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    results, errors = [], []
+
+    def build():
+        try:
+            results.append(ensure_embedded_model())
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(set(results)) == 1
+    path = results[0]
+    assert path == tmp_path / "cache" / "tiny-k2-v1"
+    assert digests(path) == digests(tiny_k2_dir)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny-k2-v1"]  # no temp dirs left behind
+    assert ensure_embedded_model() == path
