@@ -50,6 +50,18 @@ def test_matches_transformers_for_every_template(templates, hf_render, conversat
         assert ours == theirs, name
 
 
+def test_matches_transformers_on_real_requests(templates, hf_render):
+    files = sorted((TEMPLATES_DIR.parent.parent / "conformance").glob("kvv_samples_*.jsonl"))
+    requests = [json.loads(line) for f in files for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not requests:
+        pytest.skip("no kvv samples in ../shared/conformance")
+    for request in requests:
+        for name, source in templates.items():
+            ours = _outcome(lambda: render_prompt(request["messages"], request.get("tools"), True, template=source))
+            theirs = _outcome(lambda: hf_render(source, request["messages"], request.get("tools"), True))
+            assert ours == theirs, name
+
+
 def test_load_prefers_template_file_and_warns_once_on_drift(tmp_path, caplog):
     (tmp_path / "chat_template.jinja").write_text((require_shared(TEMPLATES_DIR) / "v3-2025-08-11.jinja").read_text())
     with caplog.at_level(logging.WARNING, logger="kserve.chat.template"):

@@ -50,6 +50,13 @@ def test_long_runs_are_cut_every_25000_chars(tok):
     assert tok.encode(spaces) == tok.encode(" " * 25000) + tok.encode(" " * 1000)
 
 
+def test_encoding_windows_of_400000_chars(tok):
+    text = "abcde " * 70000  # 420,000 chars; the window boundary falls inside a word ("abcd|e ")
+    assert tok.encode(text) == tok.encode(text[:400_000]) + tok.encode(text[400_000:])
+    # without the window the boundary word would be one token: the rule is observable
+    assert tok.encode("abcde") != tok.encode("abcd") + tok.encode("e")
+
+
 @settings(max_examples=150, deadline=None)
 @given(text=st.text(max_size=60))
 def test_round_trip_random_unicode(tok, text):
