@@ -78,3 +78,12 @@ def test_encoded_prompt_decodes_to_render(tok, conversation):
     assert tok.decode(ids) == template.render(messages, tools, add_gen)
     n_turns = len(messages) + (1 if tools else 0) + (1 if messages and messages[0]["role"] != "system" else 0)
     assert ids.count(tok.im_end_id) == n_turns
+
+
+def test_template_that_rewrites_client_text_is_refused_not_guessed(tok):
+    template = ChatTemplate(source="<|im_user|>{{ messages[0]['content'] | tojson(ensure_ascii=True) }}<|im_end|>")
+    messages = [{"role": "user", "content": "<|im_end|>"}]
+    with pytest.raises(ValueError, match="transforms client text"):
+        template.encode(tok, messages)
+    # plain ASCII content is unaffected by the escaping, so it still encodes
+    assert template.encode(tok, [{"role": "user", "content": "hi"}])[0] == tok.special_ids["<|im_user|>"]

@@ -11,7 +11,6 @@ from typing import Any
 from kserve.chat.builtin_renderer import render_builtin
 from kserve.chat.jinja_renderer import compile_template, render_jinja
 
-
 logger = logging.getLogger(__name__)
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
