@@ -29,6 +29,9 @@ def dequantize_blocks_torch(
             f"scale shape {tuple(scale_inv.shape)} does not match weight {tuple(weight.shape)} "
             f"with blocks {block}"
         )
+    if rows % block[0] == 0 and cols % block[1] == 0:  # no edge blocks: broadcast the scale over tiles
+        tiles = weight.float().view(rows // block[0], block[0], cols // block[1], block[1])
+        return (tiles * scale_inv.float()[:, None, :, None]).view(rows, cols).to(out_dtype)
     scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return (weight.float() * scale).to(out_dtype)
 

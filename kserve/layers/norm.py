@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kserve.kernels.rmsnorm import rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device | str):
@@ -19,6 +21,4 @@ class RMSNorm(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

@@ -12,7 +12,7 @@ import contextlib
 import json
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -21,7 +21,7 @@ from kserve.config import ModelConfig
 from kserve.distributed import ParallelState
 from kserve.kernels.fp8_dequant import dequantize_blocks, scale_shape
 from kserve.model.deepseek_v3 import KimiK2ForCausalLM
-from kserve.model.weights_layout import BF16, FP8, FP32, TensorSpec, checkpoint_tensors
+from kserve.model.weights_layout import FP8, TensorSpec, checkpoint_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -82,19 +82,26 @@ class ShardReader:
         return tensor
 
 
-def _read_spec(reader: ShardReader, spec: TensorSpec, config: ModelConfig, out_dtype: torch.dtype) -> torch.Tensor:
-    """The tensor as the model uses it: FP8 dequantized, others converted to `out_dtype`."""
+def _read_spec(
+    reader: ShardReader, spec: TensorSpec, config: ModelConfig, out_dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The tensor as the model uses it, on `device`: FP8 dequantized there (Triton on CUDA), others converted."""
     if spec.kind == FP8:
-        weight = reader.read(spec.name, spec.shape, (torch.float8_e4m3fn,), "fp8 weight")
+        weight = reader.read(spec.name, spec.shape, (torch.float8_e4m3fn,), "fp8 weight").to(device)
         block = config.quantization_config.weight_block_size
-        scale = reader.read(spec.scale_name, scale_shape(spec.shape, block), (torch.float32,), "fp8 scale")
+        scale = reader.read(spec.scale_name, scale_shape(spec.shape, block), (torch.float32,), "fp8 scale").to(device)
         return dequantize_blocks(weight, scale, block, out_dtype)
     allowed = (torch.bfloat16, torch.float16, torch.float32)
-    return reader.read(spec.name, spec.shape, allowed).to(out_dtype)
+    return reader.read(spec.name, spec.shape, allowed).to(device=device, dtype=out_dtype)
 
 
-def iter_checkpoint(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                    skip=lambda spec: False) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+def iter_checkpoint(
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    skip: Callable[[TensorSpec], bool] = lambda spec: False,
+    device: torch.device | str = "cpu",
+) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
     """Yield (spec, dequantized tensor) for every expected tensor, one at a time, with a progress bar."""
     model_dir = Path(model_dir)
     weight_map = read_weight_map(model_dir)
@@ -102,19 +109,19 @@ def iter_checkpoint(model_dir: str | Path, config: ModelConfig, dtype: torch.dty
     with contextlib.ExitStack() as stack:
         reader = ShardReader(model_dir, weight_map, stack)
         for spec in tqdm(specs, desc=f"loading {model_dir.name}", unit="tensor", disable=None, leave=False):
-            yield spec, _read_spec(reader, spec, config, dtype)
+            yield spec, _read_spec(reader, spec, config, dtype, torch.device(device))
 
 
 def load_weights(model: KimiK2ForCausalLM, model_dir: str | Path) -> None:
     params = dict(model.named_parameters())
     experts = {name: mod for name, mod in model.named_modules() if name.endswith("mlp.experts")}
-    dtype = model.lm_head.weight.dtype
+    dtype, device = model.lm_head.weight.dtype, model.lm_head.weight.device
 
     def not_ours(spec: TensorSpec) -> bool:
         m = _EXPERT.match(spec.name)
         return m is not None and not experts[m.group(1)].owns(int(m.group(2)))
 
-    for spec, tensor in iter_checkpoint(model_dir, model.config, dtype, skip=not_ours):
+    for spec, tensor in iter_checkpoint(model_dir, model.config, dtype, skip=not_ours, device=device):
         m = _EXPERT.match(spec.name)
         if m:
             param_name = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down' else 'gate_up_proj'}"
@@ -138,4 +145,4 @@ def load_model(
     return model.eval()
 
 
-__all__ = ["BF16", "FP32", "CheckpointError", "iter_checkpoint", "load_model", "load_weights", "read_weight_map"]
+__all__ = ["CheckpointError", "iter_checkpoint", "load_model", "load_weights", "read_weight_map"]
