@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kserve.chat import StreamingReasoningParser, split_reasoning
-from tests.chat_helpers import SB
+from test_chat_support import SB
 
 CASES = [
     ("<think>Let me think.</think>The answer is 4.", "Let me think.", "The answer is 4."),

@@ -10,7 +10,7 @@ import pytest
 
 from kserve.chat import ChatTemplate, load_tokenizer, normalize_tool_call_ids
 from kserve.chat.render_cli import run_render
-from tests.chat_helpers import K2_DIR, TEMPLATES_DIR, require_shared
+from test_chat_support import K2_DIR, TEMPLATES_DIR, require_shared
 
 
 @pytest.fixture

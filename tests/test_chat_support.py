@@ -1,4 +1,4 @@
-"""Shared helpers for the chat-layer tests: locating ../shared and hypothesis conversation strategies."""
+"""Shared helpers for the chat-layer tests (no tests here): locating ../shared and hypothesis strategies."""
 
 from __future__ import annotations
 

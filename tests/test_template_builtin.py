@@ -10,7 +10,7 @@ from hypothesis import given, settings
 
 from kserve.chat import ChatTemplate, normalize_tool_call_ids, render_prompt
 from kserve.chat.markers import DEFAULT_SYSTEM_PROMPT
-from tests.chat_helpers import SHARED, TEMPLATES_DIR, conversations, require_shared
+from test_chat_support import SHARED, TEMPLATES_DIR, conversations, require_shared
 
 SEED = SHARED / "seeds" / "kimi_k2_tool_format.txt"
 DEFAULT_SYSTEM_TURN = f"<|im_system|>system<|im_middle|>{DEFAULT_SYSTEM_PROMPT}<|im_end|>"
@@ -115,7 +115,7 @@ def _kvv_requests():
 
 
 def test_every_kvv_request_renders_and_encodes(v4_template):
-    from tests.chat_helpers import real_tokenizer
+    from test_chat_support import real_tokenizer
 
     tok = real_tokenizer()
     requests = _kvv_requests()

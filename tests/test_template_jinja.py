@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 
 from kserve.chat import ChatTemplate, render_prompt
-from tests.chat_helpers import K2_DIR, TEMPLATES_DIR, conversations, require_shared
+from test_chat_support import K2_DIR, TEMPLATES_DIR, conversations, require_shared
 
 
 @pytest.fixture(scope="module")

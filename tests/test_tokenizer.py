@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kserve.chat import load_tokenizer
-from tests.chat_helpers import K2_DIR, real_tokenizer, require_shared
+from test_chat_support import K2_DIR, real_tokenizer, require_shared
 
 
 @pytest.fixture(scope="module")
@@ -120,10 +120,8 @@ def test_small_vocabulary_layout(tmp_path, absolute_k2_ids):
     assert small.im_end_id not in small.encode(text, allow_special_tokens=False)
 
 
-def test_tiny_checkpoint_tokenizer_if_available(tmp_path):
-    tiny = pytest.importorskip("kserve.tiny_checkpoint")
-    path = tiny.write_tiny_checkpoint(tmp_path / "tiny", seed=0, variant="k2")
-    small = load_tokenizer(path)
+def test_tiny_checkpoint_tokenizer(tiny_k2_dir):
+    small = load_tokenizer(tiny_k2_dir)
     assert small.base_vocab_size == 1792
     assert small.im_end_id == 1792 + 2
     assert small.decode(small.encode("hi <|im_end|>")) == "hi <|im_end|>"

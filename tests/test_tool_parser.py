@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kserve.chat import StreamingToolParser, parse_tool_calls, parse_tool_output
 from kserve.chat.markers import TOOL_MARKERS
-from tests.chat_helpers import AB, CB, CE, SB, SE
+from test_chat_support import AB, CB, CE, SB, SE
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 NEWS = {"type": "function", "function": {"name": "get_news", "parameters": {"type": "object"}}}
