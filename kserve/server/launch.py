@@ -87,6 +87,7 @@ class BackgroundServer:
         self.server = uvicorn.Server(_uvicorn_config(settings, loader))
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self.thread = threading.Thread(target=self._run, name="kserve-uvicorn", daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def base_url(self) -> str:
@@ -97,7 +98,15 @@ class BackgroundServer:
         return self.server.config.app
 
     def _run(self) -> None:
-        asyncio.run(self.server.serve(sockets=[self.sock]))
+        self.loop = asyncio.new_event_loop()
+        try:
+            self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+        finally:
+            self.loop.close()
+
+    def call_in_loop(self, fn: Any, *args: Any) -> None:
+        """Run `fn(*args)` on the server's event loop (thread-safe)."""
+        self.loop.call_soon_threadsafe(fn, *args)
 
     def start(self, ready_timeout: float = 300.0) -> "BackgroundServer":
         """Start and wait until /health says the model is loaded (raises if loading failed)."""

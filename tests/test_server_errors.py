@@ -1,0 +1,292 @@
+"""Bad input gets an OpenAI-shaped 4xx with a clear message, and the server keeps serving.
+
+A real uvicorn over the real engine (embedded tiny model) with an API key, a small context window and a
+small body limit, so every limit can be hit cheaply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from kserve.config import EngineConfig  # noqa: E402
+from kserve.server.context import ServerSettings  # noqa: E402
+from kserve.server.launch import BackgroundServer  # noqa: E402
+
+KEY = "sekret-key"
+MAX_MODEL_LEN = 256
+BODY_LIMIT = 64 * 1024
+MODEL = "tiny"
+OK_MESSAGES = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    settings = ServerSettings(port=0, api_key=KEY, served_model_name=MODEL, max_request_bytes=BODY_LIMIT,
+                              max_concurrent_requests=2, engine=EngineConfig(max_model_len=MAX_MODEL_LEN))
+    srv = BackgroundServer(settings).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        yield c
+
+
+def chat(**over):
+    body = {"model": MODEL, "messages": OK_MESSAGES, "max_tokens": 2}
+    body.update(over)
+    return {k: v for k, v in body.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
+def completion(**over):
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    body.update(over)
+    return body
+
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+# (case id, path, body (dict, or raw bytes), expected status, expected param or None, words the message must hold)
+BAD_INPUTS = [
+    ("malformed-json", CHAT, b'{"model": "tiny", "messages": [', 400, None, ["JSON"]),
+    ("body-is-array", CHAT, b"[1, 2]", 400, None, ["object"]),
+    ("missing-messages", CHAT, {"model": MODEL}, 400, "messages", ["messages", "required"]),
+    ("messages-wrong-type", CHAT, chat(messages="hi"), 400, "messages", ["messages"]),
+    ("messages-empty", CHAT, chat(messages=[]), 400, "messages", ["at least one"]),
+    ("bad-role", CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role", ["robot"]),
+    ("content-wrong-type", CHAT, chat(messages=[{"role": "user", "content": 42}]), 400, "messages[0].content",
+     ["content"]),
+    ("user-null-content", CHAT, chat(messages=[{"role": "user", "content": None}]), 400, "messages[0].content",
+     ["content"]),
+    ("image-part", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "messages[0].content[0].type",
+     ["image_url", "text only"]),
+    ("tool-msg-no-id", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].tool_call_id",
+     ["tool_call_id"]),
+    ("temperature-string", CHAT, chat(temperature="hot"), 400, "temperature", ["temperature", "number"]),
+    ("temperature-negative", CHAT, chat(temperature=-1), 400, "temperature", ["temperature", "0"]),
+    ("temperature-huge", CHAT, chat(temperature=5), 400, "temperature", ["temperature", "2"]),
+    ("top-p-zero", CHAT, chat(top_p=0), 400, "top_p", ["top_p"]),
+    ("top-p-big", CHAT, chat(top_p=1.5), 400, "top_p", ["top_p"]),
+    ("max-tokens-negative", CHAT, chat(max_tokens=-5), 400, "max_tokens", ["max_tokens"]),
+    ("max-tokens-zero", CHAT, chat(max_tokens=0), 400, "max_tokens", ["max_tokens"]),
+    ("max-tokens-string", CHAT, chat(max_tokens="10"), 400, "max_tokens", ["max_tokens", "integer"]),
+    ("n-zero", CHAT, chat(n=0), 400, "n", ["n"]),
+    ("n-huge", CHAT, chat(n=1000), 400, "n", ["16"]),
+    ("top-logprobs-huge", CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs", ["20"]),
+    ("top-logprobs-without-logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs", ["logprobs"]),
+    ("presence-penalty-huge", CHAT, chat(presence_penalty=3), 400, "presence_penalty", ["presence_penalty"]),
+    ("seed-too-big", CHAT, chat(seed=2**70), 400, "seed", ["seed"]),
+    ("too-many-stops", CHAT, chat(stop=[f"s{i}" for i in range(20)]), 400, "stop", ["stop", "16"]),
+    ("stream-wrong-type", CHAT, chat(stream="yes"), 400, "stream", ["stream", "boolean"]),
+    ("stream-options-without-stream", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options",
+     ["stream"]),
+    ("logit-bias-bad-key", CHAT, chat(logit_bias={"abc": 1}), 400, "logit_bias", ["token ids"]),
+    ("unknown-model", CHAT, chat(model="gpt-9"), 404, "model", ["gpt-9", MODEL]),
+    ("invalid-tool-schema", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "strng"}}}]), 400, "tools[0].function.parameters", ["JSON schema"]),
+    ("tool-bad-type", CHAT, chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), 400, "tools[0].type",
+     ["function"]),
+    ("tool-bad-name", CHAT, chat(tools=[{"type": "function", "function": {"name": "get weather!"}}]), 400,
+     "tools[0].function.name", ["get weather!"]),
+    ("tool-duplicate-name", CHAT, chat(tools=[TOOL, TOOL]), 400, "tools[1].function.name", ["duplicate"]),
+    ("tool-choice-absent-tool", CHAT, chat(tools=[TOOL], tool_choice={"type": "function",
+                                                                     "function": {"name": "send_email"}}),
+     400, "tool_choice.function.name", ["send_email", "get_weather"]),
+    ("tool-choice-bad-string", CHAT, chat(tools=[TOOL], tool_choice="sometimes"), 400, "tool_choice",
+     ["sometimes"]),
+    ("tool-choice-required-no-tools", CHAT, chat(tool_choice="required"), 400, "tool_choice", ["tools"]),
+    ("legacy-functions", CHAT, chat(functions=[{"name": "f"}]), 400, "functions", ["functions", "tools"]),
+    ("response-format-bad-type", CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type",
+     ["response_format"]),
+    ("response-format-missing-schema", CHAT, chat(response_format={"type": "json_schema"}), 400,
+     "response_format.json_schema", ["json_schema"]),
+    ("prompt-exceeds-context", CHAT, chat(messages=[{"role": "user", "content": "word " * 400}]), 400, "messages",
+     ["exceeds", "by"]),
+    ("completion-empty-prompt-list", COMPLETIONS, completion(prompt=[]), 400, "prompt", ["empty"]),
+    ("completion-token-out-of-vocab", COMPLETIONS, completion(prompt=[1, 2, 10**7]), 400, "prompt",
+     ["10000000"]),
+    ("completion-suffix", COMPLETIONS, completion(suffix="x"), 400, "suffix", ["suffix"]),
+    ("completion-echo-logprobs", COMPLETIONS, completion(echo=True, logprobs=1), 400, "echo", ["echo"]),
+    ("completion-logprobs-huge", COMPLETIONS, completion(logprobs=50), 400, "logprobs", ["logprobs"]),
+    ("completion-best-of", COMPLETIONS, completion(best_of=3), 400, "best_of", ["best_of"]),
+    ("completion-prompt-wrong-type", COMPLETIONS, completion(prompt={"text": "x"}), 400, "prompt", ["prompt"]),
+]
+
+
+def test_table_is_large_enough():
+    assert len(BAD_INPUTS) >= 25
+
+
+@pytest.mark.parametrize("case,path,body,status,param,words", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_gets_openai_error(http, case, path, body, status, param, words):
+    if isinstance(body, bytes):
+        resp = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        resp = http.post(path, json=body)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    if param is not None:
+        assert error["param"] == param, error
+    for word in words:
+        assert word.lower() in error["message"].lower(), error["message"]
+
+
+def test_context_overflow_message_says_by_how_much(http, server):
+    ctx = server.app.state.server.context
+    body = chat(messages=[{"role": "user", "content": "word " * 400}])
+    message = http.post(CHAT, json=body).json()["error"]["message"]
+    prompt_len = int(message.split("the prompt is ")[1].split(" ")[0])
+    assert prompt_len > MAX_MODEL_LEN
+    assert f"by {prompt_len + 1 - ctx.max_model_len} token" in message
+
+
+def test_max_tokens_beyond_context_is_clamped(http):
+    resp = http.post(CHAT, json=chat(max_tokens=10**9, ignore_eos=True, temperature=0))
+    assert resp.status_code == 200, resp.text
+    usage = resp.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_MODEL_LEN
+    assert resp.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_auth_required(server):
+    body = chat()
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}):
+        resp = httpx.post(server.base_url + CHAT, json=body, headers=headers)
+        assert resp.status_code == 401
+        assert resp.json()["error"]["type"] == "authentication_error"
+        assert "API key" in resp.json()["error"]["message"]
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    ok = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in ok.models.list().data] == [MODEL]
+    assert httpx.get(server.base_url + "/health").status_code == 200  # ops endpoints stay open
+
+
+def test_body_too_large(http):
+    big = chat(messages=[{"role": "user", "content": "x" * (BODY_LIMIT + 10)}])
+    resp = http.post(CHAT, json=big)
+    assert resp.status_code == 413
+    assert str(BODY_LIMIT) in resp.json()["error"]["message"]
+
+
+def test_unknown_route_and_method(http):
+    resp = http.get("/v1/nothing-here")
+    assert resp.status_code == 404 and "error" in resp.json()
+    resp = http.get(CHAT)
+    assert resp.status_code == 405 and "error" in resp.json()
+
+
+class _HeldEngine:
+    """Engine stand-in whose requests stay in flight until released (admission control is under test)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.started = 0
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        from kserve.engine.outputs import CompletionOutput, RequestOutput
+
+        self.started += 1
+        await self.release.wait()
+        yield RequestOutput(request_id, None, prompt_token_ids,
+                            [CompletionOutput(0, "ok", [1], None, "stop")], finished=True)
+
+    async def abort(self, request_id):
+        pass
+
+    def stats(self):
+        return {}
+
+    async def shutdown(self):
+        pass
+
+
+def test_too_many_concurrent_requests_get_429():
+    from kserve.chat import ChatTemplate, load_tokenizer
+    from kserve.server.context import ServingContext
+    from kserve.tiny_checkpoint import ensure_embedded_model
+
+    model_dir = ensure_embedded_model()
+    engine = _HeldEngine()
+
+    async def loader(settings, metrics):
+        engine.release = asyncio.Event()  # bound to the server's loop
+        return ServingContext(engine=engine, tokenizer=load_tokenizer(model_dir), template=ChatTemplate.load(model_dir),
+                              model_name=MODEL, max_model_len=1024, vocab_size=2048, settings=settings,
+                              metrics=metrics)
+
+    with BackgroundServer(ServerSettings(port=0, max_concurrent_requests=2), loader) as srv:
+        results: list[int] = []
+
+        def held_request():
+            results.append(httpx.post(srv.base_url + CHAT, json=chat(), timeout=30).status_code)
+
+        threads = [threading.Thread(target=held_request) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while engine.started < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        resp = httpx.post(srv.base_url + CHAT, json=chat())
+        assert resp.status_code == 429, resp.text
+        assert resp.json()["error"]["type"] == "rate_limit_error"
+        assert "2 concurrent" in resp.json()["error"]["message"]
+        srv.call_in_loop(engine.release.set)
+        for t in threads:
+            t.join(timeout=10)
+        assert results == [200, 200]
+        assert httpx.post(srv.base_url + CHAT, json=chat()).status_code == 200
+
+
+def test_server_still_serving_after_bad_inputs(server):
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
+    resp = client.chat.completions.create(model=MODEL, messages=OK_MESSAGES, max_tokens=3)
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    stream = client.chat.completions.create(model=MODEL, messages=OK_MESSAGES, max_tokens=3, stream=True)
+    assert [c for c in stream if c.choices and c.choices[0].finish_reason]
+
+
+def test_health_is_503_until_the_model_loads():
+    """Readiness: /health answers 503 (OpenAI-shaped) while loading, and reports a failed load."""
+    release = threading.Event()
+
+    async def slow_failing_loader(settings, metrics):
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        raise RuntimeError("weights missing")
+
+    srv = BackgroundServer(ServerSettings(port=0), slow_failing_loader)
+    srv.thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        resp = httpx.get(srv.base_url + "/health")
+        assert resp.status_code == 503 and "loading" in resp.json()["error"]["message"]
+        assert httpx.post(srv.base_url + CHAT, json=chat()).status_code == 503
+        release.set()
+        while time.monotonic() < deadline and srv.app.state.server.load_error is None:
+            time.sleep(0.01)
+        resp = httpx.get(srv.base_url + "/health")
+        assert resp.status_code == 503 and "weights missing" in resp.json()["error"]["message"]
+    finally:
+        srv.stop()

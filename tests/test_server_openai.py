@@ -1,0 +1,222 @@
+"""The server over the real engine (embedded tiny K2 model), on a real uvicorn, through the official client."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
+
+from kserve.chat import ChatTemplate  # noqa: E402
+from kserve.config import EngineConfig  # noqa: E402
+from kserve.server.context import ServerSettings  # noqa: E402
+from kserve.server.launch import BackgroundServer  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+CONFORMANCE = SHARED / "conformance"
+
+MESSAGES = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colors."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    # A context long enough for the longest vendor-verifier conversation under the tiny byte-level vocabulary.
+    settings = ServerSettings(port=0, engine=EngineConfig(max_model_len=16384, max_num_batched_tokens=4096))
+    srv = BackgroundServer(settings).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def ctx(server):
+    return server.app.state.server.context
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_models_and_health(server, client, ctx):
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == [ctx.model_name]
+    assert ctx.model_name == Path(ctx.engine.model_dir).name
+    docs = httpx.get(server.base_url + "/openapi.json").json()
+    assert "/v1/chat/completions" in docs["paths"] and "/v1/completions" in docs["paths"]
+
+
+def test_chat_non_streaming_usage_matches_real_token_counts(client, ctx):
+    resp = client.chat.completions.create(model=ctx.model_name, messages=MESSAGES, max_tokens=12, seed=7,
+                                          logprobs=True, top_logprobs=2)
+    choice = resp.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    assert isinstance(choice.message.content, str) and choice.message.role == "assistant"
+    # prompt tokens: what the chat layer encodes for this conversation, computed independently here
+    template = ChatTemplate.load(ctx.engine.model_dir)
+    expected_prompt = template.encode(ctx.tokenizer, [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three colors."},
+    ])
+    assert resp.usage.prompt_tokens == len(expected_prompt)
+    # completion tokens: one logprob entry per generated token, whose bytes make up the content
+    entries = choice.logprobs.content
+    assert resp.usage.completion_tokens == len(entries) >= 1
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert resp.usage.completion_tokens == 12
+    specials = ctx.tokenizer.special_ids
+    visible = [e for e in entries if not (e.token in specials and ctx.tokenizer.is_skippable(specials[e.token]))]
+    assert bytes(b for e in visible for b in e.bytes).decode("utf-8", "replace") == choice.message.content
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in entries)
+
+
+def test_chat_streaming_wire_format(server, ctx):
+    body = {"model": ctx.model_name, "messages": MESSAGES, "max_tokens": 8, "seed": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert len({e["id"] for e in events}) == 1
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert len(finishes) == 1 and finishes[0] in ("stop", "length")
+    usage = events[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + usage["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_stream_reassembles_to_non_streaming_answer(client, ctx, temperature):
+    kw = dict(model=ctx.model_name, messages=MESSAGES, max_tokens=24, seed=1234, temperature=temperature)
+    plain = client.chat.completions.create(**kw)
+    # The SDK's own accumulator (the one behind client.chat.completions.stream, whose get_final_completion
+    # refuses finish_reason "length", which a random tiny model usually hits).
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        state.handle_chunk(chunk)
+    final = state.current_completion_snapshot
+    assert final.choices[0].message.content == plain.choices[0].message.content
+    assert final.choices[0].finish_reason == plain.choices[0].finish_reason
+    assert final.usage.completion_tokens == plain.usage.completion_tokens
+    assert final.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_chat_n_choices(client, ctx):
+    resp = client.chat.completions.create(model=ctx.model_name, messages=MESSAGES, max_tokens=6, n=2, seed=5)
+    assert [c.index for c in resp.choices] == [0, 1]
+    chunks = list(client.chat.completions.create(model=ctx.model_name, messages=MESSAGES, max_tokens=6, n=2,
+                                                 seed=5, stream=True))
+    for i in (0, 1):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        assert text == resp.choices[i].message.content
+
+
+def test_completions_raw_prompt_n2_logprobs_echo(client, ctx):
+    prompt = "<|im_user|>user<|im_middle|>hello<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    resp = client.completions.create(model=ctx.model_name, prompt=prompt, max_tokens=10, n=2, logprobs=3, seed=11)
+    assert len(resp.choices) == 2 and [c.index for c in resp.choices] == [0, 1]
+    ids = ctx.tokenizer.encode(prompt, allow_special_tokens=True)
+    assert resp.usage.prompt_tokens == len(ids)  # the markers are single special tokens
+    assert resp.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in resp.choices)
+    for c in resp.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+        assert "".join(lp.tokens) == c.text or "\ufffd" in c.text
+        assert all(len(top) <= 3 for top in lp.top_logprobs)
+    # the same prompt as token ids, and echo
+    resp_ids = client.completions.create(model=ctx.model_name, prompt=ids, max_tokens=4, echo=True, seed=11)
+    assert resp_ids.usage.prompt_tokens == len(ids)
+    assert resp_ids.choices[0].text.startswith(prompt)
+
+
+def test_completions_stop_string_cuts_output(client, ctx):
+    prompt = "The quick brown fox"
+    free = client.completions.create(model=ctx.model_name, prompt=prompt, max_tokens=40, temperature=0,
+                                     seed=0, extra_body={"ignore_eos": True})
+    text = free.choices[0].text
+    assert len(text) >= 10, text
+    stop = text[5:8]
+    cut = client.completions.create(model=ctx.model_name, prompt=prompt, max_tokens=40, temperature=0,
+                                    seed=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=ctx.model_name, prompt=prompt, max_tokens=40, temperature=0, seed=0, stop=[stop], stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert streamed == cut.choices[0].text
+
+
+def _kvv_requests() -> list[dict]:
+    files = sorted(CONFORMANCE.glob("kvv_samples_*.jsonl"))
+    if not files:
+        pytest.skip("../shared/conformance/kvv_samples_*.jsonl is absent")
+    return [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_every_kvv_sample_is_accepted_streaming_and_not(server, ctx):
+    requests = _kvv_requests()
+    assert len(requests) >= 14
+    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+        for i, raw in enumerate(requests):
+            body = dict(raw, model=ctx.model_name, max_tokens=2)  # the K2VV client overrides model, too
+            body["stream"] = False
+            resp = http.post("/v1/chat/completions", json=body)
+            assert resp.status_code == 200, (i, resp.text)
+            data = resp.json()
+            assert data["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+            with http.stream("POST", "/v1/chat/completions", json=body) as s:
+                assert s.status_code == 200, (i, s.read())
+                lines = [line for line in s.iter_lines() if line]
+            assert lines[-1] == "data: [DONE]"
+            events = [json.loads(line[6:]) for line in lines[:-1]]
+            assert not any("error" in e for e in events), (i, events)
+            assert events[-1]["usage"]["prompt_tokens"] == data["usage"]["prompt_tokens"]
+            assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+
+
+def test_client_disconnect_aborts_and_frees_cache_blocks(server, ctx):
+    engine = ctx.engine
+    body = {"model": ctx.model_name, "messages": MESSAGES, "max_tokens": 4000, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.base_url + "/v1/chat/completions", json=body) as resp:
+            seen = 0
+            for line in resp.iter_lines():
+                seen += bool(line)
+                if seen >= 4:
+                    break
+            during = engine.stats()
+            assert during.num_running == 1 and during.kv_blocks_used > 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_blocks_used == 0:
+            break
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
+    assert stats.generation_tokens_total < during.generation_tokens_total + 1000  # stopped well before 4000
+
+
+def test_metrics_exposes_engine_stats(server):
+    text = httpx.get(server.base_url + "/metrics").text
+    assert "kserve_engine_kv_blocks_total" in text
+    assert 'kserve_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    assert "kserve_tool_call_problems_total" in text
