@@ -22,14 +22,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from kserve.chat.markers import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-SECTION_BEGIN = "<|tool_calls_section_begin|>"
-SECTION_END = "<|tool_calls_section_end|>"
-CALL_BEGIN = "<|tool_call_begin|>"
-ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
-CALL_END = "<|tool_call_end|>"
+# The five markers K2's tokenizer defines as single tokens (the singular aliases are not tokens).
 TOOL_MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END)
 
 # Bounds that keep a random or confused model from looping forever inside a call header or JSON.
@@ -168,11 +166,11 @@ class GrammarCompiler:
     def _compile(self, spec: GrammarSpec) -> Any:
         if spec.kind == "json_object":
             return self._compiler.compile_json_schema(
-                {"type": "object"}, any_whitespace=False, strict_mode=False
+                {"type": "object"}, any_whitespace=False, separators=(",", ":"), strict_mode=False
             )
         if spec.kind == "json_schema":
             schema = json.loads(spec.payload)
-            return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=False)
+            return self._compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"), strict_mode=False)
         return self._compiler.compile_structural_tag(self._tool_call_tag(spec))
 
     def _tool_call_tag(self, spec: GrammarSpec) -> Any:
