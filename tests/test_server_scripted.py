@@ -327,3 +327,82 @@ def test_disconnect_mid_stream_aborts(scripted):
         time.sleep(0.02)
     assert engine.aborted, "the engine request was not aborted after the client went away"
     assert not engine.running
+
+
+def test_historical_tool_call_ids_are_normalized(scripted):
+    """K2VV history uses bare `search:0` ids; the prompt carries `functions.search:0` on both sides."""
+    _, client, _, _ = scripted
+    search = {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string"}}}}}
+    history = [
+        {"role": "user", "content": "find cats"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "search:0", "type": "function", "function": {"name": "search", "arguments": '{"query": "cats"}'}}]},
+        {"role": "tool", "tool_call_id": "search:0", "name": "search", "content": "many cats"},
+        {"role": "_input", "content": "resource text"},
+    ]
+    resp = client.chat.completions.create(model=MODEL, messages=history, tools=[search])
+    assert resp.choices[0].finish_reason == "stop"
+    prompt = PROMPTS_SEEN[-1]
+    assert "<|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>" in prompt
+    assert "## Return of functions.search:0\nmany cats" in prompt
+    assert "search:0" not in prompt.replace("functions.search:0", "")
+    # the vendor verifier's `_input` role is a system message named "resource"
+    assert "<|im_system|>resource<|im_middle|>resource text<|im_end|>" in prompt
+
+
+def test_unknown_extra_fields_are_ignored(scripted):
+    server, _, _, _ = scripted
+    import httpx
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi", "x_note": 1}], "foo_bar": {"a": 1},
+            "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}
+    resp = httpx.post(server.base_url + "/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == "Hello there, friend."
+
+
+def test_max_tokens_clamped_to_context(scripted):
+    server, client, engine, _ = scripted
+    seen = []
+    original = engine.generate
+
+    async def spy(request_id, prompt_token_ids, params):
+        seen.append((len(prompt_token_ids), params.max_tokens))
+        async for out in original(request_id, prompt_token_ids, params):
+            yield out
+
+    engine.generate = spy
+    try:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=16000)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    finally:
+        del engine.generate
+    max_len = server.app.state.server.context.max_model_len
+    (p1, m1), (_, m2), (p3, m3) = seen
+    assert m1 == max_len - p1 and m2 == 5 and m3 == max_len - p3
+
+
+def test_reasoning_split_when_enabled(scripted):
+    server, client, engine, _ = scripted
+    settings = server.app.state.server.settings
+    engine.script = lambda prompt: "<think>User wants weather.</think>Checking." + section(
+        tool_call_text("get_weather", '{"city": "Paris"}'))
+    settings.enable_reasoning = True
+    try:
+        resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                              tools=[WEATHER_TOOL])
+        msg = resp.choices[0].message
+        assert msg.reasoning_content == "User wants weather."
+        assert msg.content == "Checking."
+        assert msg.tool_calls[0].function.arguments == '{"city": "Paris"}'
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                     tools=[WEATHER_TOOL], stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "User wants weather."
+        assert "".join(d.content or "" for d in deltas) == "Checking."
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+            ["tool_calls"]
+    finally:
+        settings.enable_reasoning = False

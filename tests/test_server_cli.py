@@ -1,0 +1,65 @@
+"""`kserve serve` with no model directory: serves the embedded tiny model, says where it listens, gets ready."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_kserve_serve_embedded_tiny_model(tmp_path):
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    env = dict(os.environ, KSERVE_API_KEY="from-env")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kserve.cli", "serve", "--port", str(port), "--served-model-name", "tiny-cli",
+             "--max-model-len", "512"],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )
+    try:
+        start = time.monotonic()
+        ready = None
+        while time.monotonic() - start < 120:
+            assert proc.poll() is None, log.read_text()
+            try:
+                resp = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+            except httpx.TransportError:
+                time.sleep(0.1)
+                continue
+            if resp.status_code == 200:
+                ready = time.monotonic() - start
+                break
+            assert resp.status_code == 503 and "error" in resp.json()
+            time.sleep(0.1)
+        assert ready is not None, log.read_text()
+        text = log.read_text()
+        assert f"http://127.0.0.1:{port}" in text
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="from-env", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny-cli"]
+        resp = client.chat.completions.create(model="tiny-cli", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=3)
+        assert resp.usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="nope", max_retries=0).models.list()
+        print(f"kserve serve ready in {ready:.1f}s")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
