@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -59,46 +60,62 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return APIError(400, message, param=param, code=code)
 
 
+# pydantic puts union branch tags in error locations ("str", "list[ContentPart]", "NamedToolChoice",
+# "function-after[...]"); field names here are lower_snake_case, so anything else is a tag.
+_FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def _loc_to_param(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     for item in loc:
-        if item in ("body",) and not parts:
-            continue
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif parts:
-            parts.append(f".{item}")
-        else:
-            parts.append(str(item))
+        elif item == "body" and not parts:
+            continue
+        elif isinstance(item, str) and _FIELD_NAME.match(item) and item not in _TYPE_TAGS:
+            parts.append(f".{item}" if parts else item)
     return "".join(parts)
 
 
 def _describe(value: Any) -> str:
-    text = json.dumps(value, default=str) if not isinstance(value, str) else json.dumps(value)
+    text = json.dumps(value, default=str)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 def from_validation_errors(errors: list[dict[str, Any]]) -> APIError:
-    """Turn pydantic's error list into one 400 that names the first offending field."""
-    first = errors[0] if errors else {}
-    loc = tuple(x for x in first.get("loc", ()) if not (isinstance(x, str) and ("[" in x or x in _UNION_TAGS)))
-    param = _loc_to_param(loc) or None
-    msg = first.get("msg", "invalid value")
+    """One 400 naming the first offending field; a union's per-branch errors are merged into one message."""
+    if not errors:
+        return APIError(400, "invalid request", code="invalid_request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        where = first.get("loc", ())[-1] if first.get("loc") else None
+        reason = (first.get("ctx") or {}).get("error", "malformed JSON")
+        at = f" at character {where}" if isinstance(where, int) else ""
+        return APIError(400, f"request body is not valid JSON: {reason}{at}", code="invalid_json")
+    param = _loc_to_param(tuple(first.get("loc", ()))) or None
+    same = [e for e in errors if (_loc_to_param(tuple(e.get("loc", ()))) or None) == param]
+    others = len(errors) - len(same)
+    msgs: list[str] = []
+    for e in same:
+        msg = e.get("msg", "invalid value")
+        msg = msg[len("Input should be "):] if msgs and msg.startswith("Input should be ") else msg
+        if msg not in msgs:
+            msgs.append(msg)
+    msg = " or ".join(msgs)
     if "input" in first and first.get("type") != "missing":
         msg = f"{msg} (got {_describe(first['input'])})"
-    message = f"invalid request: '{param}': {msg}" if param else f"invalid request: {msg}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_type"
-    if first.get("type", "").endswith(("greater_than_equal", "less_than_equal", "greater_than", "less_than")):
+    if param is None and first.get("type") in ("model_type", "model_attributes_type", "dict_type"):
+        message = f"request body must be a JSON object (got {_describe(first.get('input'))})"
+    else:
+        message = f"invalid request: '{param}': {msg}" if param else f"invalid request: {msg}"
+    if others:
+        message += f" (and {others} more problem{'s' if others > 1 else ''})"
+    kind = first.get("type", "")
+    code = "missing_required_parameter" if kind == "missing" else "invalid_type"
+    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than", "literal_error"):
         code = "invalid_value"
     return APIError(400, message, param=param, code=code)
-
-
-# pydantic tags union branches in the location with the branch's type name; they mean nothing to a client.
-_UNION_TAGS = {"str", "list", "int", "float", "bool", "dict", "function-after", "function-before",
-               "list[str]", "list[int]", "list[list[int]]", "list[ContentPart]", "NamedToolChoice",
-               "ChatToolChoiceFunction", "ResponseFormat"}
 
 
 def install_error_handlers(app: FastAPI) -> None:
