@@ -129,3 +129,11 @@ def test_bf16_model_runs_close_to_fp32(k2, tiny_k2_dir):
     # bf16 can flip a near-tie expert choice for a token, so compare per-row directions, not max error
     cos = torch.nn.functional.cosine_similarity(l16, l32, dim=-1)
     assert cos.median() > 0.99 and cos.min() > 0.8
+
+
+def test_mismatched_batch_is_rejected(k2):
+    model, _ = k2
+    with pytest.raises(ValueError, match="input ids"):
+        model(prompt(5), ForwardBatch.contiguous([4], [4], BLOCK), empty_cache(model))
+    with pytest.raises(ValueError, match="kv_cache shape"):
+        model(prompt(4), ForwardBatch.contiguous([4], [4], BLOCK), torch.zeros(1, 4, BLOCK, 7))

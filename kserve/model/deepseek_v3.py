@@ -189,6 +189,11 @@ class KimiK2ForCausalLM(nn.Module):
                 f"kv_cache shape {tuple(kv_cache.shape)} does not fit {self.config.num_hidden_layers} layers "
                 f"x kv_cache_dim {self.config.kv_cache_dim}"
             )
+        if input_ids.shape[0] != sum(batch.query_lens) or batch.num_tokens != input_ids.shape[0]:
+            raise ValueError(
+                f"{input_ids.shape[0]} input ids but the batch has {sum(batch.query_lens)} query tokens "
+                f"and {batch.num_tokens} positions"
+            )
         if kv_cache.shape[2] != batch.block_size:
             raise ValueError(f"kv_cache block size {kv_cache.shape[2]} != batch block size {batch.block_size}")
         return self.model(input_ids, batch, kv_cache)
