@@ -215,6 +215,23 @@ def test_client_disconnect_aborts_and_frees_cache_blocks(server, ctx):
     assert stats.generation_tokens_total < during.generation_tokens_total + 1000  # stopped well before 4000
 
 
+def test_non_streaming_client_timeout_aborts(server, ctx):
+    engine = ctx.engine
+    body = {"model": ctx.model_name, "messages": MESSAGES, "max_tokens": 4000, "ignore_eos": True}
+    before = engine.stats().generation_tokens_total
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.kv_blocks_used == 0:
+            break
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert (stats.num_running, stats.kv_blocks_used) == (0, 0)
+    assert stats.generation_tokens_total - before < 2000
+
+
 def test_metrics_exposes_engine_stats(server):
     text = httpx.get(server.base_url + "/metrics").text
     assert "kserve_engine_kv_blocks_total" in text

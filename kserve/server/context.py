@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
@@ -85,12 +86,23 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def disconnected(request: Any) -> bool:
-    """True once the HTTP client has gone away (cheap: does not wait)."""
-    try:
-        return await asyncio.wait_for(request.is_disconnected(), timeout=0.05)
-    except (asyncio.TimeoutError, RuntimeError):
-        return False
+class DisconnectWatch:
+    """Polls whether the HTTP client has gone, at most every `interval` seconds (non-streaming requests)."""
+
+    def __init__(self, request: Any, interval: float = 0.25) -> None:
+        self.request = request
+        self.interval = interval
+        self._next = time.monotonic() + interval
+
+    async def gone(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.interval
+        try:
+            return await asyncio.wait_for(self.request.is_disconnected(), timeout=0.05)
+        except (asyncio.TimeoutError, RuntimeError):
+            return False
 
 
 class Admission:

@@ -13,7 +13,7 @@ import jsonschema
 from kserve.chat import StreamingReasoningParser, StreamingToolParser, normalize_tool_call_ids, split_reasoning
 from kserve.chat.tool_parser import ToolCall as ParsedToolCall
 from kserve.chat.tool_parser import parse_tool_output
-from kserve.server.context import ServingContext, disconnected, new_request_id
+from kserve.server.context import DisconnectWatch, ServingContext, new_request_id
 from kserve.server.errors import APIError, bad_request
 from kserve.server.guided import guided_decoding_request
 from kserve.server.logprobs import chat_logprobs
@@ -148,6 +148,7 @@ async def run_chat(ctx: ServingContext, prep: PreparedChat, request: Any) -> Cha
     start = time.monotonic()
     first_token: float | None = None
     final = None
+    watch = DisconnectWatch(request)
     try:
         async for out in ctx.engine.generate(prep.request_id, prep.prompt_ids, prep.params):
             if first_token is None and any(o.token_ids for o in out.outputs):
@@ -155,9 +156,11 @@ async def run_chat(ctx: ServingContext, prep: PreparedChat, request: Any) -> Cha
             final = out
             if final.finished:
                 break
-            if await disconnected(request):
+            if await watch.gone():
                 logger.info("request %s: client disconnected; aborting", prep.request_id)
                 break
+    except ValueError as exc:  # the engine refused the prompt
+        raise bad_request(str(exc), "messages") from None
     finally:
         if final is None or not final.finished:
             await ctx.abort(prep.request_id)

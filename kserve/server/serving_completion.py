@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from kserve.server.context import ServingContext, disconnected, new_request_id
+from kserve.server.context import DisconnectWatch, ServingContext, new_request_id
 from kserve.server.errors import APIError, bad_request
 from kserve.server.logprobs import completion_logprobs
 from kserve.server.protocol import (
@@ -148,10 +148,14 @@ def _choice(ctx: ServingContext, prep: PreparedCompletion, i: int, output: Any) 
 async def run_completion(ctx: ServingContext, prep: PreparedCompletion, request: Any) -> CompletionResponse:
     start = time.monotonic()
     finals: list[Any] = [None] * len(prep.prompts)
-    async for i, out in _merged(ctx, prep):
-        finals[i] = out
-        if await disconnected(request):
-            break
+    watch = DisconnectWatch(request)
+    try:
+        async for i, out in _merged(ctx, prep):
+            finals[i] = out
+            if await watch.gone():
+                break
+    except ValueError as exc:  # the engine refused a prompt
+        raise bad_request(str(exc), "prompt") from None
     if any(f is None or not f.finished for f in finals):
         raise APIError(500, "request aborted before it finished", code="aborted")
     choices = [_choice(ctx, prep, i, o) for i, f in enumerate(finals) for o in sorted(f.outputs, key=lambda o: o.index)]
