@@ -52,6 +52,8 @@ def test_models_and_health(server, client, ctx):
     assert ctx.model_name == Path(ctx.engine.model_dir).name
     docs = httpx.get(server.base_url + "/openapi.json").json()
     assert "/v1/chat/completions" in docs["paths"] and "/v1/completions" in docs["paths"]
+    assert "ChatCompletionRequest" in json.dumps(docs)
+    assert httpx.get(server.base_url + "/docs").status_code == 200
 
 
 def test_chat_non_streaming_usage_matches_real_token_counts(client, ctx):
@@ -81,7 +83,7 @@ def test_chat_non_streaming_usage_matches_real_token_counts(client, ctx):
 
 def test_chat_streaming_wire_format(server, ctx):
     body = {"model": ctx.model_name, "messages": MESSAGES, "max_tokens": 8, "seed": 3, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 1}
     with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
@@ -96,6 +98,8 @@ def test_chat_streaming_wire_format(server, ctx):
     assert len(finishes) == 1 and finishes[0] in ("stop", "length")
     usage = events[-1]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
+    entries = [t for e in events for c in e["choices"] for t in ((c.get("logprobs") or {}).get("content") or [])]
+    assert len(entries) == usage["usage"]["completion_tokens"]
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + usage["usage"]["completion_tokens"]
 
 
