@@ -70,8 +70,8 @@ def absorbed_decode_attention(
     slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, L]
     latents = cache.view(-1, cache.shape[-1])[slots].float()  # [B, L, C+R]
     c_kv, k_pe = latents[..., :kv_lora_rank], latents[..., kv_lora_rank:]
-    scores = torch.einsum("bhc,blc->bhl", q_lat.float(), c_kv) + torch.einsum("bhr,blr->bhl", q_pe.float(), k_pe)
+    scores = torch.bmm(q_lat.float(), c_kv.transpose(1, 2)) + torch.bmm(q_pe.float(), k_pe.transpose(1, 2))
     valid = pos[None, :] < context_lens.long()[:, None]  # [B, L]
     scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)
-    return torch.einsum("bhl,blc->bhc", probs, c_kv)
+    return torch.bmm(probs, c_kv)

@@ -99,7 +99,8 @@ class RoutedExperts(nn.Module):
             token_idx, slot = torch.where(local_ids == e)
             gate, up = F.linear(x[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[e])
-            out.index_add_(0, token_idx, y * weights[token_idx, slot, None].to(y.dtype))
+            # a token picks an expert at most once, so the indices are unique (index_add_ is slow on CPU)
+            out.index_put_((token_idx,), y * weights[token_idx, slot, None].to(y.dtype), accumulate=True)
         return out
 
 

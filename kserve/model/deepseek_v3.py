@@ -107,11 +107,11 @@ class MLAttention(nn.Module):
         tokens = torch.tensor([starts[i] for i in seqs], device=q_nope.device)
         seq_idx = torch.tensor(seqs, device=q_nope.device)
         w_uk, w_uv = self._absorption_weights()
-        q_lat = torch.einsum("thd,hdc->thc", q_nope[tokens], w_uk)
+        q_lat = torch.bmm(q_nope[tokens].transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, C]
         o_lat = absorbed_decode_attention(
             q_lat, q_pe[tokens], cache, batch.block_tables[seq_idx], batch.context_lens[seq_idx], self.kv_lora_rank, self.scale
         )
-        out[tokens] = torch.einsum("thc,hdc->thd", o_lat.to(w_uv.dtype), w_uv)
+        out[tokens] = torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _naive(self, q_nope, q_pe, cache, block_table, context_len: int, block_size: int) -> torch.Tensor:
         latents = gather_context(cache, block_table, context_len, block_size).to(q_nope.dtype)
