@@ -95,7 +95,8 @@ def dequantize_blocks(
     block: tuple[int, int] = (128, 128),
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    if weight.is_cuda and triton_available():
+    # Triton loads float8_e4m3fn natively from sm89 on; older GPUs use the torch path.
+    if weight.is_cuda and triton_available() and torch.cuda.get_device_capability(weight.device) >= (8, 9):
         return dequantize_blocks_triton(weight, scale_inv, block, out_dtype)
     return dequantize_blocks_torch(weight, scale_inv, block, out_dtype)
 
