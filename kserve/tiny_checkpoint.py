@@ -382,6 +382,7 @@ def write_tiny_checkpoint(dir: str | os.PathLike, seed: int = 0, variant: str = 
     for i, shard in shards.items():
         file = f"model-{i}-of-{num_shards}.safetensors"
         save_file(shard, str(out_dir / file), metadata={"format": "pt"})
+        os.chmod(out_dir / file, 0o644)  # safetensors writes through a private temp file
         for name, t in shard.items():
             weight_map[name] = file
             total += t.numel() * t.element_size()
