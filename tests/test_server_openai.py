@@ -141,6 +141,13 @@ def test_completions_raw_prompt_n2_logprobs_echo(client, ctx):
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
         assert "".join(lp.tokens) == c.text or "\ufffd" in c.text
         assert all(len(top) <= 3 for top in lp.top_logprobs)
+    # streamed choices reassemble to the same texts (same seed)
+    streamed = {0: "", 1: ""}
+    for chunk in client.completions.create(model=ctx.model_name, prompt=prompt, max_tokens=10, n=2, logprobs=3,
+                                           seed=11, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert [streamed[0], streamed[1]] == [c.text for c in resp.choices]
     # the same prompt as token ids, and echo
     resp_ids = client.completions.create(model=ctx.model_name, prompt=ids, max_tokens=4, echo=True, seed=11)
     assert resp_ids.usage.prompt_tokens == len(ids)
@@ -236,8 +243,16 @@ def test_non_streaming_client_timeout_aborts(server, ctx):
     assert stats.generation_tokens_total - before < 2000
 
 
-def test_metrics_exposes_engine_stats(server):
+def test_metrics_exposes_engine_stats(server, client, ctx):
+    client.chat.completions.create(model=ctx.model_name, messages=MESSAGES, max_tokens=2)
     text = httpx.get(server.base_url + "/metrics").text
     assert "kserve_engine_kv_blocks_total" in text
     assert 'kserve_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
     assert "kserve_tool_call_problems_total" in text
+    import re
+
+    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="[^"]*",?)*\})? -?[0-9.e+-]+$')
+    for line in text.splitlines():
+        assert line.startswith(("# HELP ", "# TYPE ")) or sample.match(line), line
+    ttft_count = re.search(r"^kserve_time_to_first_token_seconds_count (\d+)$", text, re.M)
+    assert ttft_count and int(ttft_count.group(1)) >= 1
