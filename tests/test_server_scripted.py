@@ -406,3 +406,20 @@ def test_reasoning_split_when_enabled(scripted):
             ["tool_calls"]
     finally:
         settings.enable_reasoning = False
+
+
+def test_tools_reach_the_prompt_exactly_as_sent(scripted):
+    """The vendor verifier's tools list `function` before `type`; the tool_declare turn keeps the client's JSON."""
+    server, _, _, _ = scripted
+    import httpx
+
+    path = SHARED / "conformance" / "kvv_samples_subset.jsonl"
+    if not path.exists():
+        pytest.skip("../shared/conformance/kvv_samples_subset.jsonl is absent")
+    raw = json.loads(path.read_text().splitlines()[0])
+    assert list(raw["tools"][0]) == ["function", "type"]
+    body = dict(raw, model=MODEL, stream=False, max_tokens=4)
+    resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    tools_json = json.dumps(raw["tools"], separators=(",", ":"), ensure_ascii=False)
+    assert PROMPTS_SEEN[-1].startswith(f"<|im_system|>tool_declare<|im_middle|>{tools_json}<|im_end|>")

@@ -67,7 +67,7 @@ def prepare_chat(ctx: ServingContext, raw: dict[str, Any]) -> PreparedChat:
     ctx.check_model(req.model)
     check_chat_request(req)
     messages = normalize_tool_call_ids(normalize_messages(req.messages))
-    tools = normalize_tools(req.tools)
+    tools = normalize_tools(req.tools, raw.get("tools"))
     tool_choice = resolve_tool_choice(req.tool_choice, tools)
     parse_tools = bool(tools) and tool_choice != "none"
     try:

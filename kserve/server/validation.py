@@ -120,8 +120,8 @@ def tool_schema(tool: dict[str, Any]) -> dict[str, Any]:
     return params if params is not None else {"type": "object"}
 
 
-def normalize_tools(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
-    """Tools as dicts in the order and shape the client sent them; schemas are checked to be valid."""
+def normalize_tools(tools: list[ToolDefinition] | None, raw_tools: Any) -> list[dict[str, Any]] | None:
+    """The client's tool dicts, unchanged (the prompt shows them key for key), once each is checked."""
     if tools is None:
         return None
     seen: set[str] = set()
@@ -145,7 +145,7 @@ def normalize_tools(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] 
                 path = "/".join(str(p) for p in exc.path) or "(root)"
                 raise bad_request(f"{where}.function.parameters is not a valid JSON schema at {path}: "
                                   f"{exc.message}", f"{where}.function.parameters", "invalid_tool_schema") from None
-        out.append(tool.model_dump(exclude_none=True, by_alias=True))
+        out.append(raw_tools[i])
     return out
 
 
