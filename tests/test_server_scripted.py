@@ -423,3 +423,22 @@ def test_tools_reach_the_prompt_exactly_as_sent(scripted):
     assert resp.status_code == 200, resp.text
     tools_json = json.dumps(raw["tools"], separators=(",", ":"), ensure_ascii=False)
     assert PROMPTS_SEEN[-1].startswith(f"<|im_system|>tool_declare<|im_middle|>{tools_json}<|im_end|>")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_returns_one_call(scripted, stream):
+    _, client, _, _ = scripted
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "weather in two cities please"}],
+              tools=[WEATHER_TOOL], parallel_tool_calls=False)
+    if not stream:
+        resp = client.chat.completions.create(**kw)
+        calls = [(c.id, c.function.arguments) for c in resp.choices[0].message.tool_calls]
+        finish = resp.choices[0].finish_reason
+    else:
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        deltas = [tc for c in chunks for ch in c.choices for tc in (ch.delta.tool_calls or [])]
+        assert {d.index for d in deltas} == {0}
+        calls = [(next(d.id for d in deltas if d.id), "".join(d.function.arguments or "" for d in deltas))]
+        finish = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason][-1]
+    assert calls == [("functions.get_weather:0", '{"city": "Beijing"}')]
+    assert finish == "tool_calls"

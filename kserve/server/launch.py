@@ -9,6 +9,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -65,6 +66,10 @@ def _uvicorn_config(settings: ServerSettings, loader: EngineLoader | None) -> uv
 def run_server(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     _configure_logging(settings.log_level)
+    for label, path in (("model directory", settings.engine.model), ("--chat-template", settings.chat_template)):
+        if path is not None and not Path(path).exists():
+            logger.error("%s %s does not exist", label, path)
+            return 2
     logger.info("kserve listening on http://%s:%d (model %s loads in the background; /health turns 200 "
                 "when ready)", settings.host, settings.port, settings.engine.model or "<embedded tiny>")
     server = uvicorn.Server(_uvicorn_config(settings, None))

@@ -59,6 +59,10 @@ class PreparedChat:
     tools: list[dict[str, Any]] | None
     parse_tools: bool  # tools were given and tool_choice != "none"
     top_logprobs: int
+    max_calls: int | None = None  # 1 under parallel_tool_calls=false: later calls are dropped
+
+    def kept(self, calls: list[ParsedToolCall]) -> list[ParsedToolCall]:
+        return calls if self.max_calls is None else calls[: self.max_calls]
 
 
 def prepare_chat(ctx: ServingContext, raw: dict[str, Any]) -> PreparedChat:
@@ -89,7 +93,8 @@ def prepare_chat(ctx: ServingContext, raw: dict[str, Any]) -> PreparedChat:
         skip_special_tokens=not parse_tools,
         vocab_size=ctx.vocab_size, guided=guided,
     )
-    return PreparedChat(new_request_id("chatcmpl"), req, prompt_ids, params, tools, parse_tools, top_logprobs)
+    return PreparedChat(new_request_id("chatcmpl"), req, prompt_ids, params, tools, parse_tools, top_logprobs,
+                        max_calls=1 if req.parallel_tool_calls is False else None)
 
 
 # ----------------------------------------------------------------------------- tool-call checks
@@ -181,7 +186,7 @@ def _chat_choice(ctx: ServingContext, prep: PreparedChat, output: Any) -> ChatCh
     calls: list[ParsedToolCall] = []
     if prep.parse_tools:
         parsed = parse_tool_output(text, prep.tools)
-        text, calls = parsed.content, parsed.calls
+        text, calls = parsed.content, prep.kept(parsed.calls)
         check_tool_calls(ctx, prep.request_id, calls, parsed.section_opened, prep.tools)
     finish = _finish_reason(output.finish_reason, bool(calls))
     ctx.metrics.count_finish(finish)
@@ -206,6 +211,7 @@ class _ChoiceStream:
     index: int
     tool_parser: StreamingToolParser | None
     reasoning_parser: StreamingReasoningParser | None
+    max_calls: int | None = None
     text_sent: int = 0
     tokens_sent: int = 0
     args_sent: dict[int, str] = field(default_factory=dict)  # call index -> arguments streamed so far
@@ -231,7 +237,7 @@ class _ChoiceStream:
                 for d in part.tool_calls:
                     self._merge_call_delta(calls, d)
             if final:
-                for call in self.tool_parser.calls:
+                for call in self.calls():
                     if not self.args_sent.get(call.index):
                         self._merge_call_delta(calls, _ArgsOnly(call.index, NO_ARGUMENTS))
         delta.reasoning_content = reasoning or None
@@ -239,7 +245,13 @@ class _ChoiceStream:
         delta.tool_calls = calls or None
         return delta
 
+    def calls(self) -> list[ParsedToolCall]:
+        calls = self.tool_parser.calls if self.tool_parser is not None else []
+        return calls if self.max_calls is None else calls[: self.max_calls]
+
     def _merge_call_delta(self, calls: list[ToolCallDeltaOut], d: Any) -> None:
+        if self.max_calls is not None and d.index >= self.max_calls:
+            return
         if d.id is not None:  # the header: id, type and the complete name, exactly once per call
             self.args_sent.setdefault(d.index, "")
             calls.append(ToolCallDeltaOut(index=d.index, id=d.id, type="function",
@@ -277,6 +289,7 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
             index=i,
             tool_parser=StreamingToolParser(prep.tools) if prep.parse_tools else None,
             reasoning_parser=StreamingReasoningParser() if ctx.settings.enable_reasoning else None,
+            max_calls=prep.max_calls,
         )
         for i in range(prep.params.n)
     ]
@@ -330,7 +343,7 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
 def _final_choice(ctx: ServingContext, prep: PreparedChat, state: _ChoiceStream, engine_reason: str) -> ChatChunkChoice:
     calls: list[ParsedToolCall] = []
     if state.tool_parser is not None:
-        calls = state.tool_parser.calls
+        calls = state.calls()
         check_tool_calls(ctx, prep.request_id, calls, state.tool_parser.section_opened, prep.tools)
     finish = _finish_reason(engine_reason, bool(calls))
     ctx.metrics.count_finish(finish)
