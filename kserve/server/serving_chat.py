@@ -10,9 +10,15 @@ from typing import Any, AsyncIterator
 
 import jsonschema
 
-from kserve.chat import StreamingReasoningParser, StreamingToolParser, normalize_tool_call_ids, split_reasoning
-from kserve.chat.tool_parser import ToolCall as ParsedToolCall
-from kserve.chat.tool_parser import parse_tool_output
+from kserve.chat import (
+    StreamingReasoningParser,
+    StreamingToolParser,
+    ToolCallDelta,
+    normalize_tool_call_ids,
+    parse_tool_output,
+    split_reasoning,
+)
+from kserve.chat import ToolCall as ParsedToolCall
 from kserve.server.context import DisconnectWatch, ServingContext, new_request_id
 from kserve.server.errors import APIError, bad_request
 from kserve.server.guided import guided_decoding_request
@@ -239,7 +245,7 @@ class _ChoiceStream:
             if final:
                 for call in self.calls():
                     if not self.args_sent.get(call.index):
-                        self._merge_call_delta(calls, _ArgsOnly(call.index, NO_ARGUMENTS))
+                        self._merge_call_delta(calls, ToolCallDelta(index=call.index, arguments=NO_ARGUMENTS))
         delta.reasoning_content = reasoning or None
         delta.content = content or None
         delta.tool_calls = calls or None
@@ -262,14 +268,6 @@ class _ChoiceStream:
                 calls[-1].function.arguments = (calls[-1].function.arguments or "") + d.arguments
             else:
                 calls.append(ToolCallDeltaOut(index=d.index, function=FunctionCallDelta(arguments=d.arguments)))
-
-
-@dataclass
-class _ArgsOnly:
-    index: int
-    arguments: str
-    id: str | None = None
-    name: str | None = None
 
 
 def _delta_is_empty(delta: ChatDelta) -> bool:
