@@ -125,6 +125,8 @@ BAD_INPUTS = [
     ("completion-echo-logprobs", COMPLETIONS, completion(echo=True, logprobs=1), 400, "echo", ["echo"]),
     ("completion-logprobs-huge", COMPLETIONS, completion(logprobs=50), 400, "logprobs", ["logprobs"]),
     ("completion-best-of", COMPLETIONS, completion(best_of=3), 400, "best_of", ["best_of"]),
+    ("completion-empty-string-in-list", COMPLETIONS, completion(prompt=["ok", ""]), 400, "prompt[1]", ["empty"]),
+    ("completion-too-many-prompts", COMPLETIONS, completion(prompt=["a"] * 40, n=2), 400, "prompt", ["64"]),
     ("completion-prompt-wrong-type", COMPLETIONS, completion(prompt={"text": "x"}), 400, "prompt", ["prompt"]),
 ]
 

@@ -27,6 +27,9 @@ from kserve.server.sse import sse_done, sse_event
 from kserve.server.validation import normalize_stop, reject_unsupported
 
 
+MAX_CHOICES = 64  # prompts x n per request
+
+
 @dataclass
 class PreparedPrompt:
     request_id: str
@@ -67,8 +70,13 @@ def prepare_completion(ctx: ServingContext, raw: dict[str, Any]) -> PreparedComp
     stop = normalize_stop(req.stop)
     request_id = new_request_id("cmpl")
     prompts: list[PreparedPrompt] = []
-    for i, prompt in enumerate(_prompt_list(req.prompt)):
-        where = "prompt" if isinstance(req.prompt, str) or not isinstance(req.prompt[0], list) else f"prompt[{i}]"
+    prompt_list = _prompt_list(req.prompt)
+    if len(prompt_list) * req.n > MAX_CHOICES:
+        raise bad_request(f"{len(prompt_list)} prompts x n={req.n} asks for more than {MAX_CHOICES} completions",
+                          "prompt")
+    single = len(prompt_list) == 1 and (isinstance(req.prompt, str) or isinstance(req.prompt[0], int))
+    for i, prompt in enumerate(prompt_list):
+        where = "prompt" if single else f"prompt[{i}]"
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request(f"'{where}' must not be empty", where)
