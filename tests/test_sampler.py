@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from kserve.engine.logits_process import TokenConstraint, TypicalLogitsProcessor
-from kserve.engine.sampler import Sampler
+from kserve.engine.sampler import Sampler, seeded_exponential
 from kserve.engine.sampling_params import SamplingParams
 from kserve.engine.sequence import Sequence
+from test_engine_sampler_helpers import EvenOnly
 from kserve.engine.token_bitmask import apply_token_bitmask, new_bitmask, set_allowed, unpack_bitmask
 
 EOS = 3
@@ -22,9 +23,14 @@ def seq(params: SamplingParams, prompt=(7, 8), output=(), sid: int = 0) -> Seque
     return s
 
 
-def frequencies(logits_row: torch.Tensor, params: SamplingParams, rows: int = 20000) -> torch.Tensor:
+def frequencies(
+    logits_row: torch.Tensor, params: SamplingParams, rows: int = 20000, seeded: bool = False
+) -> torch.Tensor:
     sampler = Sampler([EOS], "cpu", seed=0)
     seqs = [seq(params, sid=i) for i in range(rows)]
+    if seeded:  # one draw from each of `rows` different seeds
+        for s in seqs:
+            s.seed = 1000 + s.seq_id
     out = sampler.sample(logits_row.expand(rows, -1).clone(), seqs).token_ids
     return torch.bincount(torch.tensor(out), minlength=logits_row.shape[0]).float() / rows
 
@@ -50,9 +56,20 @@ def test_greedy_is_argmax() -> None:
         (SamplingParams(min_p=0.5), torch.tensor([0.5, 0.3, 0, 0]) / 0.8),
     ],
 )
-def test_sampling_distribution(params: SamplingParams, expected: torch.Tensor) -> None:
-    got = frequencies(LOGITS, params)
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampling_distribution(params: SamplingParams, expected: torch.Tensor, seeded: bool) -> None:
+    if seeded:
+        params = SamplingParams(**{**params.__dict__, "seed": 5})
+    got = frequencies(LOGITS, params, seeded=seeded)
     torch.testing.assert_close(got, expected.float(), atol=0.015, rtol=0)
+
+
+def test_seeded_noise_is_exponential_and_position_dependent() -> None:
+    noise = seeded_exponential(torch.tensor([1, 2**40 + 1]), torch.tensor([0, 0]), 50000)
+    assert abs(noise.mean().item() - 1.0) < 0.02 and abs(noise.var().item() - 1.0) < 0.05
+    assert not torch.equal(noise[0], noise[1])  # the high seed bits matter
+    again = seeded_exponential(torch.tensor([1, 1]), torch.tensor([0, 1]), 50000)
+    assert torch.equal(again[0], noise[0]) and not torch.equal(again[0], again[1])
 
 
 def test_mixed_batch_rows_keep_their_own_settings() -> None:
@@ -75,7 +92,7 @@ def test_penalties_match_formula() -> None:
         expected[t] -= 0.3 * output.count(t) + 0.7
     s = seq(params, prompt, output)
     work = logits.clone()
-    Sampler([EOS], "cpu")._apply_penalties(work, [s])
+    Sampler([EOS], "cpu")._apply_penalties(work, [0], [s])
     torch.testing.assert_close(work[0], expected)
 
 
@@ -100,36 +117,15 @@ def test_seeded_rows_ignore_batch_composition() -> None:
     for batch in (1, 5):
         sampler = Sampler([EOS], "cpu", seed=batch)  # a different engine seed each time
         s = seq(p)
-        s.generator = sampler.make_generator(99)
+        s.seed = 99
         others = [seq(SamplingParams(temperature=1.0), sid=i + 1) for i in range(batch - 1)]
         tokens = []
         for _ in range(5):
             tokens.append(sampler.sample(logits.expand(batch, -1).clone(), others + [s]).token_ids[-1])
+            s.token_ids.append(tokens[-1])
         runs.append(tokens)
     assert runs[0] == runs[1]
     assert len(set(runs[0])) > 1
-
-
-class EvenOnly:
-    """Allows only even token ids; terminates after `limit` accepted tokens."""
-
-    def __init__(self, vocab: int, limit: int = 100) -> None:
-        self.vocab, self.limit, self.accepted = vocab, limit, []
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        set_allowed(bitmask, row, list(range(0, self.vocab, 2)))
-
-    def accept_token(self, token_id: int) -> bool:
-        if token_id % 2:
-            return False
-        self.accepted.append(token_id)
-        return True
-
-    def rollback(self, num_tokens: int) -> None:
-        del self.accepted[len(self.accepted) - num_tokens :]
-
-    def is_terminated(self) -> bool:
-        return len(self.accepted) >= self.limit
 
 
 def test_bitmask_roundtrip_and_apply() -> None:

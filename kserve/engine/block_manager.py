@@ -79,10 +79,6 @@ class BlockManager:
         cached_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
         return new_blocks <= self.num_free_blocks - cached_free
 
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return need <= self.num_free_blocks
-
     # ----------------------------------------------------------------------------- mutations
     def allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> None:
         """Give a waiting sequence its cached prefix blocks plus room for `num_new_tokens`."""
@@ -99,20 +95,24 @@ class BlockManager:
         self.seq_hashes[seq.seq_id] = hashes
         num_cached_tokens = len(cached) * self.block_size
         seq.num_computed_tokens = num_cached_tokens
+        if not self.append_slots(seq, num_new_tokens):
+            raise RuntimeError("allocate() called without can_allocate()")
         if not seq.admitted_once:
             seq.admitted_once = True
             seq.num_cached_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
             self.prefix_hit_tokens += num_cached_tokens
             self.prefix_miss_tokens += seq.num_tokens - num_cached_tokens
-        self.append_slots(seq, num_new_tokens)
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Make room for `num_new_tokens` more tokens after the computed ones."""
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if need > self.num_free_blocks:
-            raise RuntimeError("append_slots called without can_append")
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed ones; False if full."""
+        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need > len(self.free_ids):
+            return False
         for _ in range(need):
             seq.block_table.append(self._take_free_block())
+        return True
 
     def register_computed(self, seq: Sequence) -> None:
         """Put the sequence's newly computed full blocks into the prefix cache."""

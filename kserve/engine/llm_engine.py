@@ -190,7 +190,7 @@ class LLMEngine:
         for index in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, index, prompt_token_ids, params, arrival)
             if params.seed is not None:
-                seq.generator = self.sampler.make_generator(params.seed + index * SEED_STRIDE)
+                seq.seed = params.seed + index * SEED_STRIDE
             if params.guided is not None:
                 seq.constraint = params.guided.make_constraint()
             if share_prompt and index > 0:
@@ -244,11 +244,13 @@ class LLMEngine:
 
         changed: dict[str, Request] = {}
         if sampled is not None:
+            append_token = self.output_processor.append_token
+            requests = self.requests
             for seq, token_id, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
-                self.output_processor.append_token(seq, token_id, logprob)
-                changed[seq.request_id] = self.requests[seq.request_id]
+                append_token(seq, token_id, logprob)
+                changed[seq.request_id] = requests[seq.request_id]
             self.generation_tokens_total += len(sampling)
-        self.scheduler.remove_finished()
+            self.scheduler.remove_finished(sampling)
         for request_id, request in changed.items():
             if request.finished:
                 del self.requests[request_id]

@@ -69,14 +69,23 @@ class ModelRunner:
         for item in scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
-            end = start + item.num_new_tokens
             table = seq.block_table
+            if item.num_new_tokens == 1:  # decode: the common case, kept cheap
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                query_lens.append(1)
+                context_lens.append(start + 1)
+                if start + 1 == len(seq.token_ids):
+                    sample_rows.append(len(input_ids) - 1)
+                continue
+            end = start + item.num_new_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
-            if end == seq.num_tokens:
+            if end == len(seq.token_ids):
                 sample_rows.append(len(input_ids) - 1)
         max_blocks = max(len(item.seq.block_table) for item in scheduled)
         tables = [item.seq.block_table + [-1] * (max_blocks - len(item.seq.block_table)) for item in scheduled]

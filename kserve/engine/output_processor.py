@@ -29,28 +29,39 @@ class OutputProcessor:
         """Record one sampled token and finish the sequence if a stop condition is met."""
         params = seq.params
         seq.token_ids.append(token_id)
-        if seq.logprobs is not None and logprob is not None:
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        if logprob is not None and seq.logprobs is not None:
             seq.logprobs.append(logprob)
         if seq.constraint is not None and not seq.constraint.is_terminated():
-            seq.constraint.accept_token(token_id)
-
-        check_stops = seq.num_output_tokens >= params.min_tokens
-        if check_stops:
-            is_eos = token_id in self.eos_token_ids and not params.ignore_eos
-            if is_eos or token_id in params.stop_token_ids:
-                self._finish(seq, "stop", token_id)
+            if not seq.constraint.accept_token(token_id):
+                self._finish(seq, "stop", None)  # the sampler masked it, so this is a constraint bug
                 return
+            if seq.constraint.is_terminated() and not (self.eos_token_ids or params.stop_token_ids):
+                self._finish(seq, "stop", None)  # complete, and no stop token to force
+                return
+
+        check_stops = num_output >= params.min_tokens
+        if check_stops and (
+            (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids
+        ):
+            self._finish(seq, "stop", token_id)
+            return
 
         if seq.detokenizer is not None:
-            start = len(seq.text)
-            seq.text += seq.detokenizer.add([token_id])
-            if check_stops and self._check_stop_strings(seq, start):
-                return
-            if not check_stops:
-                seq.visible_len = len(seq.text) - _held_back(seq.text, params.stop)
+            piece = seq.detokenizer.add([token_id])
+            if piece:
+                start = len(seq.text)
+                seq.text += piece
+                if not params.stop:
+                    seq.visible_len = len(seq.text)
+                elif check_stops:
+                    if self._check_stop_strings(seq, start):
+                        return
+                else:
+                    seq.visible_len = len(seq.text) - _held_back(seq.text, params.stop)
 
-        if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
-            seq.num_tokens >= self.max_model_len
+        if (params.max_tokens is not None and num_output >= params.max_tokens) or (
+            len(seq.token_ids) >= self.max_model_len
         ):
             self._finish(seq, "length", None)
 

@@ -1,12 +1,14 @@
 """Batched sampling on the logits' device.
 
 Every step the sampler turns `[B, V]` float32 logits into one token per row. Work is vectorised
-over rows that need it; a feature no row uses costs nothing. The only host transfer in the common
-path is the final list of sampled ids (plus the requested logprobs, when any row asks).
+over the rows that need it; a feature no row uses costs nothing (each sequence carries a `Needs`
+flag set computed once from its parameters). The only host transfer in the common path is the
+final list of sampled ids (plus the requested logprobs, when a row asks for them).
 
 Random rows use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is an exact sample of p.
-A seeded request draws its E from its own torch.Generator, so its samples depend only on its own
-seed and history, never on the rest of the batch.
+Unseeded rows draw E from the engine's generator in one call. Seeded rows draw E from a counter-
+based hash of (seed, output position, token id), computed for all seeded rows at once: a request's
+samples depend only on its seed and its own history, never on the batch, the device or preemption.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from kserve.engine.outputs import TokenLogprob
-from kserve.engine.sequence import Sequence
+from kserve.engine.sequence import Needs, Sequence
 from kserve.engine.token_bitmask import apply_token_bitmask, new_bitmask, set_allowed
 
 # Seeds for the completions of one n > 1 request: completion i uses seed + i * SEED_STRIDE.
 SEED_STRIDE = 1_000_003
+_M32 = 0xFFFFFFFF
 
 
 @dataclass
@@ -29,14 +32,30 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32  # wraps in int64; the low 32 bits are exact either way
+    return x ^ (x >> 16)
+
+
+def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] Exp(1) noise, a pure function of (seed, position, token id) per row."""
+    dev = seeds.device
+    row = _mix32(_mix32(seeds & _M32) ^ _mix32((seeds >> 32) & _M32) ^ (positions & _M32))
+    col = _mix32(torch.arange(vocab, device=dev, dtype=torch.int64) + 0x9E3779B9)
+    bits = _mix32(row.unsqueeze(1) ^ col.unsqueeze(0)) >> 8  # 24 uniform bits
+    u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: list[int], device: torch.device | str, seed: int = 0) -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-
-    def make_generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed)
 
     def stop_ids_for(self, seq: Sequence) -> list[int]:
         return self.eos_token_ids + [t for t in seq.params.stop_token_ids if t not in self.eos_token_ids]
@@ -44,60 +63,60 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         logits = logits.float()
-        batch, vocab = logits.shape
-        params = [s.params for s in seqs]
+        batch = logits.shape[0]
+        rows: dict[Needs, list[int]] = {flag: [] for flag in Needs}
+        constrained: list[int] = []
+        any_needs = Needs.NOTHING
+        for i, seq in enumerate(seqs):
+            needs = seq.needs
+            if needs:
+                any_needs |= needs
+                for flag in needs:
+                    rows[flag].append(i)
+            if seq.constraint is not None:
+                constrained.append(i)
 
-        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_logprobs = (
-            torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
-        )  # the model's own distribution, before any processing
+        lp_rows = rows[Needs.LOGPROBS]
+        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
 
-        self._apply_logits_processors(logits, seqs)
-        self._apply_logit_bias(logits, seqs)
-        self._apply_penalties(logits, seqs)
-        self._apply_min_tokens(logits, seqs)
-        self._apply_constraints(logits, seqs)
+        if any_needs & Needs.PROCESSORS:
+            self._apply_logits_processors(logits, [(i, seqs[i]) for i in rows[Needs.PROCESSORS]])
+        if any_needs & Needs.LOGIT_BIAS:
+            self._apply_logit_bias(logits, [(i, seqs[i]) for i in rows[Needs.LOGIT_BIAS]])
+        if any_needs & Needs.PENALTIES:
+            self._apply_penalties(logits, rows[Needs.PENALTIES], seqs)
+        if any_needs & Needs.MIN_TOKENS:
+            self._apply_min_tokens(logits, [(i, seqs[i]) for i in rows[Needs.MIN_TOKENS]])
+        if constrained:
+            self._apply_constraints(logits, [(i, seqs[i]) for i in constrained])
 
-        greedy = [p.temperature == 0.0 for p in params]
-        if all(greedy):
-            sampled = logits.argmax(dim=-1)
+        if any_needs & Needs.RANDOM:
+            sampled = self._sample_random(logits, seqs, rows, any_needs)
         else:
-            sampled = self._sample_random(logits, seqs, greedy)
+            sampled = logits.argmax(dim=-1)
         token_ids: list[int] = sampled.tolist()
 
         logprobs: list[TokenLogprob | None] = [None] * batch
         if raw_logprobs is not None:
-            rows = torch.tensor(logprob_rows, device=logits.device)
-            chosen = raw_logprobs.gather(1, sampled[rows].unsqueeze(1)).squeeze(1).tolist()
-            k = max(params[i].logprobs or 0 for i in logprob_rows)
-            top_vals: list[list[float]] = [[] for _ in logprob_rows]
-            top_ids: list[list[int]] = [[] for _ in logprob_rows]
-            if k > 0:
-                vals, ids = raw_logprobs.topk(k, dim=-1)
-                top_vals, top_ids = vals.tolist(), ids.tolist()
-            for j, i in enumerate(logprob_rows):
-                kk = params[i].logprobs or 0
-                top = dict(zip(top_ids[j][:kk], top_vals[j][:kk]))
-                logprobs[i] = TokenLogprob(token_ids[i], chosen[j], top)
+            self._gather_logprobs(raw_logprobs, lp_rows, sampled, token_ids, seqs, logprobs)
         return SamplerOutput(token_ids, logprobs)
 
     # ------------------------------------------------------------------ logits processing
-    def _apply_logits_processors(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        for i, seq in enumerate(seqs):
-            if seq.params.logits_processors:
-                out = seq.output_token_ids
-                row = logits[i]
-                for proc in seq.params.logits_processors:
-                    row = proc(out, row)
-                logits[i] = row
+    def _apply_logits_processors(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
+        for i, seq in items:
+            out = seq.output_token_ids
+            row = logits[i]
+            for proc in seq.params.logits_processors:
+                row = proc(out, row)
+            logits[i] = row
 
-    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _apply_logit_bias(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
         rows: list[int] = []
         cols: list[int] = []
         vals: list[float] = []
         vocab = logits.shape[1]
-        for i, seq in enumerate(seqs):
-            for tok, bias in (seq.params.logit_bias or {}).items():
+        for i, seq in items:
+            for tok, bias in seq.params.logit_bias.items():
                 if 0 <= int(tok) < vocab:
                     rows.append(i)
                     cols.append(int(tok))
@@ -110,16 +129,7 @@ class Sampler:
                 accumulate=True,
             )
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        rows = [
-            i
-            for i, s in enumerate(seqs)
-            if s.params.presence_penalty != 0.0
-            or s.params.frequency_penalty != 0.0
-            or s.params.repetition_penalty != 1.0
-        ]
-        if not rows:
-            return
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
         dev = logits.device
         vocab = logits.shape[1]
         chosen = [seqs[i] for i in rows]
@@ -138,11 +148,11 @@ class Sampler:
         sub = sub - freq * output_counts - pres * (output_counts > 0).float()
         logits.index_copy_(0, idx, sub)
 
-    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _apply_min_tokens(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
         rows: list[int] = []
         cols: list[int] = []
         vocab = logits.shape[1]
-        for i, seq in enumerate(seqs):
+        for i, seq in items:
             if seq.num_output_tokens < seq.params.min_tokens:
                 for tok in self.stop_ids_for(seq):
                     if 0 <= tok < vocab:
@@ -155,49 +165,70 @@ class Sampler:
                 torch.tensor(float("-inf"), device=dev),
             )
 
-    def _apply_constraints(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
-        if not rows:
-            return
+    def _apply_constraints(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
         vocab = logits.shape[1]
-        bitmask = new_bitmask(len(rows), vocab)
-        for j, i in enumerate(rows):
-            seq = seqs[i]
+        bitmask = new_bitmask(len(items), vocab)
+        for j, (_, seq) in enumerate(items):
             if seq.constraint.is_terminated():
                 stop = [t for t in self.stop_ids_for(seq) if 0 <= t < vocab][:1]
                 set_allowed(bitmask, j, stop)
             else:
                 seq.constraint.fill_bitmask(bitmask, j)
-        apply_token_bitmask(logits, bitmask, torch.tensor(rows, device=logits.device))
+        rows = torch.tensor([i for i, _ in items], device=logits.device)
+        apply_token_bitmask(logits, bitmask, rows)
 
     # ------------------------------------------------------------------ sampling
     def _sample_random(
-        self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]
+        self, logits: torch.Tensor, seqs: list[Sequence], rows: dict[Needs, list[int]], any_needs: Needs
     ) -> torch.Tensor:
         dev = logits.device
-        params = [s.params for s in seqs]
-        greedy_argmax = logits.argmax(dim=-1) if any(greedy) else None
-        temps = torch.tensor(
-            [1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev
-        ).unsqueeze(1)
+        random_rows = rows[Needs.RANDOM]
+        all_random = len(random_rows) == len(seqs)
+        greedy_argmax = None if all_random else logits.argmax(dim=-1)
+        temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=dev).unsqueeze(1)
         scaled = logits / temps
 
-        if any(p.top_k not in (-1, 0, None) or p.top_p < 1.0 for p in params):
-            scaled = _top_k_top_p(scaled, params)
+        if any_needs & Needs.TOP_K_TOP_P:
+            scaled = _top_k_top_p(scaled, seqs)
         probs = torch.softmax(scaled, dim=-1)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+        if any_needs & Needs.MIN_P:
+            min_p = torch.tensor([s.params.min_p for s in seqs], device=dev).unsqueeze(1)
             threshold = min_p * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
 
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None and not greedy[i]:
-                noise[i].exponential_(generator=seq.generator)
+        seeded = rows[Needs.SEED]
+        if seeded:
+            seeds = torch.tensor([seqs[i].seed for i in seeded], dtype=torch.int64, device=dev)
+            positions = torch.tensor([seqs[i].num_output_tokens for i in seeded], dtype=torch.int64, device=dev)
+            noise[seeded] = seeded_exponential(seeds, positions, probs.shape[1])
         sampled = (probs / noise).argmax(dim=-1)
         if greedy_argmax is not None:
-            sampled = torch.where(torch.tensor(greedy, device=dev), greedy_argmax, sampled)
+            is_random = torch.zeros(len(seqs), dtype=torch.bool)
+            is_random[random_rows] = True
+            sampled = torch.where(is_random.to(dev, non_blocking=True), sampled, greedy_argmax)
         return sampled
+
+    def _gather_logprobs(
+        self,
+        raw_logprobs: torch.Tensor,
+        lp_rows: list[int],
+        sampled: torch.Tensor,
+        token_ids: list[int],
+        seqs: list[Sequence],
+        out: list[TokenLogprob | None],
+    ) -> None:
+        rows = torch.tensor(lp_rows, device=raw_logprobs.device)
+        chosen = raw_logprobs.gather(1, sampled[rows].unsqueeze(1)).squeeze(1).tolist()
+        k = max(seqs[i].params.logprobs or 0 for i in lp_rows)
+        top_vals: list[list[float]] = [[] for _ in lp_rows]
+        top_ids: list[list[int]] = [[] for _ in lp_rows]
+        if k > 0:
+            vals, ids = raw_logprobs.topk(k, dim=-1)
+            top_vals, top_ids = vals.tolist(), ids.tolist()
+        for j, i in enumerate(lp_rows):
+            kk = seqs[i].params.logprobs or 0
+            out[i] = TokenLogprob(token_ids[i], chosen[j], dict(zip(top_ids[j][:kk], top_vals[j][:kk])))
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -215,20 +246,19 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     return counts[:, :vocab]
 
 
-def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Mask logits outside each row's top-k and nucleus (top-p), with one sort."""
     dev = logits.device
     vocab = logits.shape[1]
+    params = [s.params for s in seqs]
     top_k = torch.tensor(
         [p.top_k if p.top_k not in (-1, 0, None) else vocab for p in params], device=dev
     ).unsqueeze(1)
     top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-    remove = ranks >= top_k
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    remove = mass_before >= top_p  # the first token always stays (mass_before == 0)
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))  # first token stays
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

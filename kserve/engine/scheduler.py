@@ -67,13 +67,14 @@ class Scheduler:
         # Decodes first, then chunks of prefills already under way.
         pending = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         pending += [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        bm = self.block_manager
         for seq in pending:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.can_append(seq, num_new):
+            while not bm.append_slots(seq, num_new):
                 victim = self.running[-1]
                 if victim.seq_id in scheduled_ids:
                     item = next(s for s in out.scheduled if s.seq is victim)
@@ -86,7 +87,6 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            self.block_manager.append_slots(seq, num_new)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
@@ -117,12 +117,17 @@ class Scheduler:
 
     def finish_step(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts after the model ran `out`, and cache full blocks."""
+        bs = self.block_manager.block_size
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_computed(item.seq)
+            seq = item.seq
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = before + item.num_new_tokens
+            if seq.num_computed_tokens // bs != before // bs:  # a block filled up
+                self.block_manager.register_computed(seq)
 
-    def remove_finished(self) -> list[Sequence]:
-        done = [s for s in self.running if s.is_finished]
+    def remove_finished(self, candidates: list[Sequence]) -> list[Sequence]:
+        """Free the finished sequences among `candidates` (those that just got a token)."""
+        done = [s for s in candidates if s.is_finished]
         if done:
             self.running = [s for s in self.running if not s.is_finished]
             for seq in done:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from enum import Enum, auto
+from enum import Enum, IntFlag, auto
 from typing import Any
-
-import torch
 
 from kserve.engine.outputs import TokenLogprob
 from kserve.engine.sampling_params import SamplingParams
@@ -15,6 +13,44 @@ class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
+
+
+class Needs(IntFlag):
+    """Which optional sampler steps a sequence's parameters ask for (fixed for its lifetime)."""
+
+    NOTHING = 0
+    RANDOM = auto()  # temperature > 0
+    TOP_K_TOP_P = auto()
+    MIN_P = auto()
+    LOGIT_BIAS = auto()
+    PENALTIES = auto()
+    MIN_TOKENS = auto()
+    PROCESSORS = auto()
+    LOGPROBS = auto()
+    SEED = auto()
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> "Needs":
+        needs = cls.NOTHING
+        if params.temperature != 0.0:
+            needs |= cls.RANDOM
+            if params.top_k not in (-1, 0, None) or params.top_p < 1.0:
+                needs |= cls.TOP_K_TOP_P
+            if params.min_p > 0.0:
+                needs |= cls.MIN_P
+            if params.seed is not None:
+                needs |= cls.SEED
+        if params.logit_bias:
+            needs |= cls.LOGIT_BIAS
+        if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+            needs |= cls.PENALTIES
+        if params.min_tokens > 0:
+            needs |= cls.MIN_TOKENS
+        if params.logits_processors:
+            needs |= cls.PROCESSORS
+        if params.logprobs is not None:
+            needs |= cls.LOGPROBS
+        return needs
 
 
 class Sequence:
@@ -51,7 +87,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-        self.generator: torch.Generator | None = None
+        self.needs = Needs.of(params)
+        self.seed: int | None = None  # this completion's sampling seed (derived from params.seed)
         self.constraint: Any = None  # kserve.engine.logits_process.TokenConstraint
         # Text state, owned by kserve.engine.output_processor.
         self.detokenizer: Any = None
