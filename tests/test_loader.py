@@ -136,3 +136,21 @@ def test_tensor_parallel_shards_slice_the_full_weights(tiny_k2_dir):
         e = c.n_routed_experts // 2
         assert part.model.layers[1].mlp.experts.gate_up_proj.shape[0] == e
         assert torch.equal(part.model.layers[1].mlp.experts.down_proj, full.model.layers[1].mlp.experts.down_proj[rank * e : (rank + 1) * e])
+
+
+def test_keep_fp8_tensor_parallel_shards_block_aligned_or_fall_back(tiny_k2_dir):
+    full = load_model(tiny_k2_dir)
+    c = full.config
+    for rank in range(2):
+        part = load_model(tiny_k2_dir, parallel=ParallelState(tp_rank=rank, tp_size=2), keep_fp8=True)
+        fa, pa = full.model.layers[1].self_attn, part.model.layers[1].self_attn
+        assert pa.q_b_proj.weight.dtype == torch.float8_e4m3fn
+        rows = c.num_attention_heads // 2 * c.qk_head_dim
+        assert torch.equal(pa.q_b_proj.dense_weight(), fa.q_b_proj.weight[rank * rows : (rank + 1) * rows])
+        cols = c.num_attention_heads // 2 * c.v_head_dim
+        assert torch.equal(pa.o_proj.dense_weight(), fa.o_proj.weight[:, rank * cols : (rank + 1) * cols])
+        # the shared expert's 128-wide intermediate splits into 64-wide shards: not block aligned, kept dense
+        shared = part.model.layers[1].mlp.shared_experts.down_proj
+        assert not shared.quantized and shared.weight.dtype == torch.float32
+        half = c.moe_intermediate_size // 2
+        assert torch.equal(shared.weight, full.model.layers[1].mlp.shared_experts.down_proj.weight[:, rank * half : (rank + 1) * half])

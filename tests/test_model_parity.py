@@ -137,3 +137,20 @@ def test_mismatched_batch_is_rejected(k2):
         model(prompt(5), ForwardBatch.contiguous([4], [4], BLOCK), empty_cache(model))
     with pytest.raises(ValueError, match="kv_cache shape"):
         model(prompt(4), ForwardBatch.contiguous([4], [4], BLOCK), torch.zeros(1, 4, BLOCK, 7))
+
+
+def test_keep_fp8_gives_identical_logits_with_less_memory(k2, tiny_k2_dir):
+    dense, _ = k2
+    fp8 = load_model(tiny_k2_dir, keep_fp8=True)
+    kept = [n for n, p in fp8.named_parameters() if p.dtype == torch.float8_e4m3fn]
+    assert any("experts.gate_up_proj" in n for n in kept) and any("kv_a_proj_with_mqa" in n for n in kept)
+    nbytes = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    assert nbytes(fp8) < 0.5 * nbytes(dense)
+    ids = prompt(20, seed=7)
+    caches = [empty_cache(dense), empty_cache(fp8)]
+    for step, (q, c) in enumerate([(20, 20), (1, 21), (1, 22)]):
+        batch = ForwardBatch.contiguous([q], [c], BLOCK)
+        toks = ids if step == 0 else ids[step : step + 1]
+        a = dense.compute_logits(dense(toks, batch, caches[0]))
+        b = fp8.compute_logits(fp8(toks, batch, caches[1]))
+        assert torch.equal(a, b)  # dequantizing per forward is the same exact arithmetic

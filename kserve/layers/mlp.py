@@ -22,13 +22,13 @@ class GatedMLP(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         reduce_results: bool = True,
+        quant_block: tuple[int, int] | None = None,
     ):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel, dtype=dtype, device=device)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel, dtype=dtype, device=device)
-        self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, parallel, dtype=dtype, device=device, reduce_results=reduce_results
-        )
+        kw = dict(dtype=dtype, device=device, quant_block=quant_block)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel, **kw)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel, **kw)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel, reduce_results=reduce_results, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

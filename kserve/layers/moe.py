@@ -15,6 +15,7 @@ from torch import nn
 
 from kserve.config import ModelConfig
 from kserve.distributed import ParallelState
+from kserve.kernels.fp8_dequant import dequantize_blocks, scale_shape
 from kserve.layers.mlp import GatedMLP
 
 
@@ -63,32 +64,68 @@ class NoAuxRouter(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """This rank's experts, stacked: gate_up_proj [E_local, 2I, H] (gate rows first), down_proj [E_local, H, I]."""
+    """This rank's experts, stacked: gate_up_proj [E_local, 2I, H] (gate rows first), down_proj [E_local, H, I].
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState, *, dtype: torch.dtype, device: torch.device | str):
+    With `quant_block` (and I a multiple of the block) they stay float8_e4m3fn with stacked fp32
+    `*_scale_inv` and are dequantized one expert at a time in forward.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelState,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quant_block: tuple[int, int] | None = None,
+    ):
         super().__init__()
         self.first_expert, last = parallel.shard_range(config.n_routed_experts)
         self.num_local = last - self.first_expert
         inter, hidden = config.moe_intermediate_size, config.hidden_size
         self.intermediate = inter
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden, dtype=dtype, device=device), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=dtype, device=device), requires_grad=False)
-        self.gate_up_proj.weight_loader = self.weight_loader
-        self.down_proj.weight_loader = self.weight_loader
+        self.compute_dtype = dtype
+        self.block = quant_block if quant_block is not None and inter % quant_block[0] == 0 else None
+        wdtype = torch.float8_e4m3fn if self.block else dtype
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden, dtype=wdtype, device=device), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=wdtype, device=device), requires_grad=False)
+        params = [self.gate_up_proj, self.down_proj]
+        if self.block:
+            self.gate_up_proj_scale_inv = nn.Parameter(
+                torch.empty(self.num_local, *scale_shape((2 * inter, hidden), self.block), dtype=torch.float32, device=device),
+                requires_grad=False,
+            )
+            self.down_proj_scale_inv = nn.Parameter(
+                torch.empty(self.num_local, *scale_shape((hidden, inter), self.block), dtype=torch.float32, device=device),
+                requires_grad=False,
+            )
+            params += [self.gate_up_proj_scale_inv, self.down_proj_scale_inv]
+        for p in params:
+            p.weight_loader = self.weight_loader
 
     def owns(self, expert_id: int) -> bool:
         return self.first_expert <= expert_id < self.first_expert + self.num_local
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard_id: str) -> None:
         local = expert_id - self.first_expert
+        is_scale = param is getattr(self, "gate_up_proj_scale_inv", None) or param is getattr(self, "down_proj_scale_inv", None)
+        split = self.intermediate // self.block[0] if is_scale else self.intermediate
         if shard_id == "gate":
-            _copy_checked(param.data[local, : self.intermediate], loaded)
+            _copy_checked(param.data[local, :split], loaded)
         elif shard_id == "up":
-            _copy_checked(param.data[local, self.intermediate :], loaded)
+            _copy_checked(param.data[local, split:], loaded)
         elif shard_id == "down":
             _copy_checked(param.data[local], loaded)
         else:
             raise ValueError(f"unknown expert shard {shard_id!r}")
+
+    def _weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.block:
+            return self.gate_up_proj[e], self.down_proj[e]
+        return (
+            dequantize_blocks(self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], self.block, self.compute_dtype),
+            dequantize_blocks(self.down_proj[e], self.down_proj_scale_inv[e], self.block, self.compute_dtype),
+        )
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -97,19 +134,28 @@ class RoutedExperts(nn.Module):
             if not 0 <= e < self.num_local:
                 continue
             token_idx, slot = torch.where(local_ids == e)
-            gate, up = F.linear(x[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            w_gate_up, w_down = self._weights(e)
+            gate, up = F.linear(x[token_idx], w_gate_up).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w_down)
             # a token picks an expert at most once, so the indices are unique (index_add_ is slow on CPU)
             out.index_put_((token_idx,), y * weights[token_idx, slot, None].to(y.dtype), accumulate=True)
         return out
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelState, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelState,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quant_block: tuple[int, int] | None = None,
+    ):
         super().__init__()
         self.parallel = parallel
         self.gate = NoAuxRouter(config, device=device)
-        self.experts = RoutedExperts(config, parallel, dtype=dtype, device=device)
+        self.experts = RoutedExperts(config, parallel, dtype=dtype, device=device, quant_block=quant_block)
         self.shared_experts = (
             GatedMLP(
                 config.hidden_size,
@@ -118,6 +164,7 @@ class DeepseekMoE(nn.Module):
                 dtype=dtype,
                 device=device,
                 reduce_results=False,
+                quant_block=quant_block,
             )
             if config.n_shared_experts
             else None

@@ -39,7 +39,15 @@ class MLAttention(nn.Module):
     output and attend over the latents directly ("absorbed" path).
     """
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelState,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quant_block: tuple[int, int] | None = None,
+    ):
         super().__init__()
         if config.num_attention_heads % parallel.tp_size:
             raise ValueError(f"{config.num_attention_heads} heads do not split over {parallel.tp_size} ranks")
@@ -51,16 +59,17 @@ class MLAttention(nn.Module):
         self.scale = config.softmax_scale
         heads = config.num_attention_heads
         kw = dict(dtype=dtype, device=device)
+        lin = dict(kw, quant_block=quant_block)
         if config.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(config.hidden_size, heads * config.qk_head_dim, parallel, **kw)
+            self.q_proj = ColumnParallelLinear(config.hidden_size, heads * config.qk_head_dim, parallel, **lin)
         else:
-            self.q_a_proj = ReplicatedLinear(config.hidden_size, config.q_lora_rank, **kw)
+            self.q_a_proj = ReplicatedLinear(config.hidden_size, config.q_lora_rank, **lin)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, **kw)
-            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * config.qk_head_dim, parallel, **kw)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(config.hidden_size, config.kv_cache_dim, **kw)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * config.qk_head_dim, parallel, **lin)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(config.hidden_size, config.kv_cache_dim, **lin)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS, **kw)
-        self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, heads * (self.qk_nope + self.v_head), parallel, **kw)
-        self.o_proj = RowParallelLinear(heads * self.v_head, config.hidden_size, parallel, **kw)
+        self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, heads * (self.qk_nope + self.v_head), parallel, **lin)
+        self.o_proj = RowParallelLinear(heads * self.v_head, config.hidden_size, parallel, **lin)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -71,7 +80,7 @@ class MLAttention(nn.Module):
 
     def _absorption_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, C] and W_UV [H, v, C], views of kv_b_proj's weight."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope + self.v_head, self.kv_lora_rank)
+        w = self.kv_b_proj.dense_weight().view(self.num_heads, self.qk_nope + self.v_head, self.kv_lora_rank)
         return w[:, : self.qk_nope], w[:, self.qk_nope :]
 
     def forward(
@@ -132,15 +141,25 @@ class MLAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, parallel: ParallelState, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        parallel: ParallelState,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quant_block: tuple[int, int] | None = None,
+    ):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
-        self.self_attn = MLAttention(config, parallel, **kw)
+        qkw = dict(kw, quant_block=quant_block)
+        self.self_attn = MLAttention(config, parallel, **qkw)
         self.mlp: nn.Module
         if config.is_moe_layer(layer_idx):
-            self.mlp = DeepseekMoE(config, parallel, **kw)
+            self.mlp = DeepseekMoE(config, parallel, **qkw)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, parallel, **kw)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, parallel, **qkw)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
@@ -150,11 +169,21 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelState, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelState,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quant_block: tuple[int, int] | None = None,
+    ):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, parallel, **kw) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, parallel, quant_block=quant_block, **kw) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.rotary_emb = YarnRotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, device=device)
 
@@ -166,7 +195,10 @@ class DeepseekV3Model(nn.Module):
 
 
 class KimiK2ForCausalLM(nn.Module):
-    """`model(input_ids [T], batch, kv_cache [L, blocks, block_size, kv_cache_dim])` -> final-normed hidden [T, H]."""
+    """`model(input_ids [T], batch, kv_cache [L, blocks, block_size, kv_cache_dim])` -> final-normed hidden [T, H].
+
+    `keep_fp8=True` keeps block-aligned FP8 linears (and experts) quantized, dequantizing per forward.
+    """
 
     def __init__(
         self,
@@ -175,11 +207,14 @@ class KimiK2ForCausalLM(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        keep_fp8: bool = False,
     ):
         super().__init__()
         self.config = config
         self.parallel = parallel
-        self.model = DeepseekV3Model(config, parallel, dtype=dtype, device=device)
+        quant = config.quantization_config
+        quant_block = tuple(quant.weight_block_size) if keep_fp8 and quant is not None else None
+        self.model = DeepseekV3Model(config, parallel, dtype=dtype, device=device, quant_block=quant_block)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
 
     @torch.inference_mode()

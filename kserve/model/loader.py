@@ -83,16 +83,23 @@ class ShardReader:
 
 
 def _read_spec(
-    reader: ShardReader, spec: TensorSpec, config: ModelConfig, out_dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """The tensor as the model uses it, on `device`: FP8 dequantized there (Triton on CUDA), others converted."""
+    reader: ShardReader, spec: TensorSpec, config: ModelConfig, out_dtype: torch.dtype, device: torch.device,
+    keep_fp8: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(tensor, scale) as the model uses them, on `device`.
+
+    FP8 weights are dequantized there (Triton on CUDA) and scale is None, unless `keep_fp8`, in which
+    case the raw float8 weight and its fp32 scale are returned. Other tensors are converted to `out_dtype`.
+    """
     if spec.kind == FP8:
         weight = reader.read(spec.name, spec.shape, (torch.float8_e4m3fn,), "fp8 weight").to(device)
         block = config.quantization_config.weight_block_size
         scale = reader.read(spec.scale_name, scale_shape(spec.shape, block), (torch.float32,), "fp8 scale").to(device)
-        return dequantize_blocks(weight, scale, block, out_dtype)
+        if keep_fp8:
+            return weight, scale
+        return dequantize_blocks(weight, scale, block, out_dtype), None
     allowed = (torch.bfloat16, torch.float16, torch.float32)
-    return reader.read(spec.name, spec.shape, allowed).to(device=device, dtype=out_dtype)
+    return reader.read(spec.name, spec.shape, allowed).to(device=device, dtype=out_dtype), None
 
 
 def iter_checkpoint(
@@ -101,15 +108,28 @@ def iter_checkpoint(
     dtype: torch.dtype = torch.float32,
     skip: Callable[[TensorSpec], bool] = lambda spec: False,
     device: torch.device | str = "cpu",
-) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
-    """Yield (spec, dequantized tensor) for every expected tensor, one at a time, with a progress bar."""
+    keep_fp8: Callable[[TensorSpec], bool] = lambda spec: False,
+) -> Iterator[tuple[TensorSpec, torch.Tensor, torch.Tensor | None]]:
+    """Yield (spec, tensor, scale) for every expected tensor, one at a time, with a progress bar.
+
+    `scale` is None unless `keep_fp8(spec)` kept an FP8 weight quantized.
+    """
     model_dir = Path(model_dir)
     weight_map = read_weight_map(model_dir)
     specs = [s for s in checkpoint_tensors(config) if not skip(s)]
     with contextlib.ExitStack() as stack:
         reader = ShardReader(model_dir, weight_map, stack)
         for spec in tqdm(specs, desc=f"loading {model_dir.name}", unit="tensor", disable=None, leave=False):
-            yield spec, _read_spec(reader, spec, config, dtype, torch.device(device))
+            yield (spec, *_read_spec(reader, spec, config, dtype, torch.device(device), keep_fp8(spec)))
+
+
+def _target(spec: TensorSpec) -> tuple[str, dict]:
+    """The parameter a checkpoint tensor loads into, and the weight_loader's extra arguments."""
+    m = _EXPERT.match(spec.name)
+    if m is None:
+        return spec.name, {}
+    param = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down' else 'gate_up_proj'}"
+    return param, {"expert_id": int(m.group(2)), "shard_id": m.group(3)}
 
 
 def load_weights(model: KimiK2ForCausalLM, model_dir: str | Path) -> None:
@@ -121,16 +141,17 @@ def load_weights(model: KimiK2ForCausalLM, model_dir: str | Path) -> None:
         m = _EXPERT.match(spec.name)
         return m is not None and not experts[m.group(1)].owns(int(m.group(2)))
 
-    for spec, tensor in iter_checkpoint(model_dir, model.config, dtype, skip=not_ours, device=device):
-        m = _EXPERT.match(spec.name)
-        if m:
-            param_name = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down' else 'gate_up_proj'}"
-            param = params[param_name]
-            param.weight_loader(param, tensor.to(param.dtype), expert_id=int(m.group(2)), shard_id=m.group(3))
-        else:
-            param = params[spec.name]
-            param.weight_loader(param, tensor.to(param.dtype))
-        del tensor
+    def stored_fp8(spec: TensorSpec) -> bool:
+        return params[_target(spec)[0]].dtype == torch.float8_e4m3fn
+
+    for spec, tensor, scale in iter_checkpoint(model_dir, model.config, dtype, not_ours, device, stored_fp8):
+        name, extra = _target(spec)
+        param = params[name]
+        param.weight_loader(param, tensor if scale is not None else tensor.to(param.dtype), **extra)
+        if scale is not None:
+            scale_param = params[name + "_scale_inv" if extra else spec.scale_name]
+            scale_param.weight_loader(scale_param, scale, **extra)
+        del tensor, scale
 
 
 def load_model(
@@ -138,9 +159,12 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     parallel: ParallelState = ParallelState(),
+    *,
+    keep_fp8: bool = False,
 ) -> KimiK2ForCausalLM:
+    """`keep_fp8=True` keeps block-aligned FP8 weights quantized (dequantized per forward)."""
     config = ModelConfig.from_model_dir(model_dir)
-    model = KimiK2ForCausalLM(config, parallel, dtype=dtype, device=device)
+    model = KimiK2ForCausalLM(config, parallel, dtype=dtype, device=device, keep_fp8=keep_fp8)
     load_weights(model, model_dir)
     return model.eval()
 
