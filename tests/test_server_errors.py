@@ -190,6 +190,18 @@ def test_body_too_large(http):
     assert str(BODY_LIMIT) in resp.json()["error"]["message"]
 
 
+def test_body_too_large_without_content_length(http):
+    def chunks():
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(BODY_LIMIT // 1024 + 2):
+            yield b"x" * 1024
+        yield b'"}]}'
+
+    resp = http.post(CHAT, content=chunks(), headers={"Content-Type": "application/json"})
+    assert resp.status_code == 413
+    assert resp.json()["error"]["code"] == "request_too_large"
+
+
 def test_unknown_route_and_method(http):
     resp = http.get("/v1/nothing-here")
     assert resp.status_code == 404 and "error" in resp.json()

@@ -73,35 +73,50 @@ class ServerState:
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over the limit, checked from Content-Length and while streaming the body in."""
+    """413 for bodies over the limit: checked from Content-Length, then while reading the body in.
+
+    The body is read here, in full, before the app sees it (FastAPI buffers it anyway), so an oversized
+    chunked upload is refused with 413 rather than surfacing as a body-parsing error.
+    """
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
         too_big = APIError(413, f"request body exceeds the limit of {self.max_bytes} bytes",
                            code="request_too_large")
+        length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await too_big.response()(scope, receive, send)
             return
-        received = 0
-
-        async def limited_receive() -> dict:
-            nonlocal received
+        parts: list[bytes] = []
+        size = 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise too_big
-            return message
+            if message["type"] != "http.request":  # client gone before the body arrived
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await too_big.response()(scope, receive, send)
+                return
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body: bytes | None = b"".join(parts)
 
-        await self.app(scope, limited_receive, send)
+        async def replay() -> dict:
+            nonlocal body
+            if body is not None:
+                message, body = {"type": "http.request", "body": body, "more_body": False}, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 class RequestCountMiddleware:
