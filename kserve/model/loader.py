@@ -117,10 +117,21 @@ def iter_checkpoint(
     model_dir = Path(model_dir)
     weight_map = read_weight_map(model_dir)
     specs = [s for s in checkpoint_tensors(config) if not skip(s)]
-    with contextlib.ExitStack() as stack:
-        reader = ShardReader(model_dir, weight_map, stack)
-        for spec in tqdm(specs, desc=f"loading {model_dir.name}", unit="tensor", disable=None, leave=False):
-            yield (spec, *_read_spec(reader, spec, config, dtype, torch.device(device), keep_fp8(spec)))
+    for spec in specs:  # fail before reading anything when the index lacks a tensor
+        for name, what in [(spec.name, "tensor")] + ([(spec.scale_name, "fp8 scale")] if spec.kind == FP8 else []):
+            if name not in weight_map:
+                raise CheckpointError(f"{what} {name!r} is missing: not listed in {model_dir / INDEX_FILE}")
+    # Shard by shard, unmapping each when done, so at most one shard's pages stay resident.
+    by_shard: dict[str, list[TensorSpec]] = {}
+    for spec in specs:
+        by_shard.setdefault(weight_map[spec.name], []).append(spec)
+    with tqdm(total=len(specs), desc=f"loading {model_dir.name}", unit="tensor", disable=None, leave=False) as bar:
+        for shard_specs in by_shard.values():
+            with contextlib.ExitStack() as stack:
+                reader = ShardReader(model_dir, weight_map, stack)
+                for spec in shard_specs:
+                    yield (spec, *_read_spec(reader, spec, config, dtype, torch.device(device), keep_fp8(spec)))
+                    bar.update(1)
 
 
 def _target(spec: TensorSpec) -> tuple[str, dict]:
