@@ -200,8 +200,8 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None) -> F
               dependencies=[Depends(require_auth)])
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                ctx: ServingContext = Depends(context)) -> Any:
-        raw = await request.json()
-        prep = prepare_chat(ctx, raw)
+        # FastAPI validated `body` against the protocol model; the raw JSON keeps what the model ignores.
+        prep = prepare_chat(ctx, body, await request.json())
         with ctx.admitted() as release:
             if prep.req.stream:
                 return StreamingResponse(release.guard(stream_chat(ctx, prep)), media_type="text/event-stream",
@@ -211,8 +211,7 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None) -> F
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=[Depends(require_auth)])
     async def completions(body: CompletionRequest, request: Request,
                           ctx: ServingContext = Depends(context)) -> Any:
-        raw = await request.json()
-        prep = prepare_completion(ctx, raw)
+        prep = prepare_completion(ctx, body, await request.json())
         with ctx.admitted() as release:
             if prep.req.stream:
                 return StreamingResponse(release.guard(stream_completion(ctx, prep)),

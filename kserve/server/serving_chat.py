@@ -71,9 +71,9 @@ class PreparedChat:
         return calls if self.max_calls is None else calls[: self.max_calls]
 
 
-def prepare_chat(ctx: ServingContext, raw: dict[str, Any]) -> PreparedChat:
+def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, Any]) -> PreparedChat:
+    """Everything checked and encoded before generation; `raw` is the body as sent (for fields the model drops)."""
     reject_unsupported(raw, UNSUPPORTED_CHAT_FIELDS)
-    req = ChatCompletionRequest.model_validate(raw)
     ctx.check_model(req.model)
     check_chat_request(req)
     messages = normalize_tool_call_ids(normalize_messages(req.messages))

@@ -26,7 +26,6 @@ from kserve.server.sampling import build_sampling_params, fit_max_tokens
 from kserve.server.sse import sse_done, sse_event
 from kserve.server.validation import normalize_stop, reject_unsupported
 
-
 MAX_CHOICES = 64  # prompts x n per request
 
 
@@ -55,9 +54,8 @@ def _prompt_list(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def prepare_completion(ctx: ServingContext, raw: dict[str, Any]) -> PreparedCompletion:
+def prepare_completion(ctx: ServingContext, req: CompletionRequest, raw: dict[str, Any]) -> PreparedCompletion:
     reject_unsupported(raw, UNSUPPORTED_COMPLETION_FIELDS)
-    req = CompletionRequest.model_validate(raw)
     ctx.check_model(req.model)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "'best_of' different from 'n' is not supported", param="best_of",
