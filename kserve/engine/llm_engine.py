@@ -21,7 +21,8 @@ from kserve.engine.outputs import CompletionOutput, RequestOutput
 from kserve.engine.sampler import SEED_STRIDE, Sampler
 from kserve.engine.sampling_params import SamplingParams
 from kserve.engine.scheduler import Scheduler
-from kserve.engine.sequence import Sequence
+from kserve.engine.sequence import Sequence, SequenceStatus
+from kserve.model import kv_cache_bytes_per_token
 
 
 @dataclass
@@ -53,7 +54,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for seq in self.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
     def output(self) -> RequestOutput:
         """A snapshot: each completion's full text, tokens and logprobs so far."""
@@ -136,9 +140,7 @@ class LLMEngine:
                 eos.append(tok)
         self.eos_token_ids = eos
 
-        bytes_per_token = (
-            model_config.num_hidden_layers * model_config.kv_cache_dim * torch.empty(0, dtype=dtype).element_size()
-        )
+        bytes_per_token = kv_cache_bytes_per_token(model_config, dtype)
         num_blocks = num_kv_blocks_for(config, bytes_per_token, self.device)
         capacity = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings, capacity)
@@ -160,6 +162,10 @@ class LLMEngine:
         from kserve.chat import load_tokenizer
         from kserve.model import load_model
 
+        if config.tensor_parallel_size != 1:
+            raise NotImplementedError(
+                "the engine runs one process on one device; tensor_parallel_size > 1 is not supported yet"
+            )
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         if config.model is None:
@@ -184,6 +190,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported")
         request = Request(request_id, prompt, prompt_token_ids, params)
         arrival = next(self._arrivals)
         share_prompt = params.n > 1 and self.config.enable_prefix_caching

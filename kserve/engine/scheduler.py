@@ -25,7 +25,7 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the sequence's last token, so the step samples a new one."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
 
 
 @dataclass
@@ -65,15 +65,18 @@ class Scheduler:
         scheduled_ids: set[int] = set()
 
         # Decodes first, then chunks of prefills already under way.
-        pending = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        pending += [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        pending: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for seq in self.running:
+            (pending if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefilling).append(seq)
+        pending += prefilling
         bm = self.block_manager
         for seq in pending:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not bm.append_slots(seq, num_new):
                 victim = self.running[-1]
                 if victim.seq_id in scheduled_ids:
