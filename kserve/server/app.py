@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
@@ -33,6 +34,25 @@ logger = logging.getLogger("kserve.server")
 EngineLoader = Callable[[ServerSettings, ServerMetrics], Awaitable[ServingContext]]
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """SSE response that, however it ends (done, client gone, never started), closes its event generator
+    (running the engine abort in the generator's cleanup now rather than at garbage collection) and then
+    calls `on_close`."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._events = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()
+            self._on_close()
 
 
 class ServerState:
@@ -202,20 +222,18 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None) -> F
                                ctx: ServingContext = Depends(context)) -> Any:
         # FastAPI validated `body` against the protocol model; the raw JSON keeps what the model ignores.
         prep = prepare_chat(ctx, body, await request.json())
-        with ctx.admitted() as release:
+        with ctx.admitted() as admission:
             if prep.req.stream:
-                return StreamingResponse(release.guard(stream_chat(ctx, prep)), media_type="text/event-stream",
-                                         headers=SSE_HEADERS)
+                return ClosingStreamingResponse(stream_chat(ctx, prep), admission.hand_off())
             return JSONResponse(openai_json(await run_chat(ctx, prep, request)))
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=[Depends(require_auth)])
     async def completions(body: CompletionRequest, request: Request,
                           ctx: ServingContext = Depends(context)) -> Any:
         prep = prepare_completion(ctx, body, await request.json())
-        with ctx.admitted() as release:
+        with ctx.admitted() as admission:
             if prep.req.stream:
-                return StreamingResponse(release.guard(stream_completion(ctx, prep)),
-                                         media_type="text/event-stream", headers=SSE_HEADERS)
+                return ClosingStreamingResponse(stream_completion(ctx, prep), admission.hand_off())
             return JSONResponse(openai_json(await run_completion(ctx, prep, request)))
 
     return app

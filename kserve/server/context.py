@@ -7,7 +7,7 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, Callable, Iterator
 
 import anyio
 
@@ -54,7 +54,7 @@ class ServingContext:
 
     @contextlib.contextmanager
     def admitted(self) -> Iterator["Admission"]:
-        """Count a request in flight for the `with` block (or, via `guard`, for a stream's lifetime).
+        """Count a request in flight for the `with` block (or, via `hand_off`, for a stream's lifetime).
 
         Past `--max-concurrent-requests` in flight the request is refused with 429.
         """
@@ -67,8 +67,8 @@ class ServingContext:
         try:
             yield admission
         finally:
-            if not admission.handed_to_stream:
-                self.in_flight -= 1
+            if not admission.handed_off:
+                admission.release()
 
     def check_model(self, requested: str) -> None:
         if requested != self.model_name:
@@ -106,21 +106,18 @@ class DisconnectWatch:
 
 
 class Admission:
-    """One admitted request; `guard` moves the in-flight count's release to the end of a stream."""
+    """One admitted request. A streamed response takes over the release (`hand_off`) and calls it when it ends."""
 
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
-        self.handed_to_stream = False
+        self.handed_off = False
+        self.released = False
 
-    def guard(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
-        self.handed_to_stream = True
-        return self._guarded(events)
+    def hand_off(self) -> Callable[[], None]:
+        self.handed_off = True
+        return self.release
 
-    async def _guarded(self, events: Any) -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield event
-        finally:
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
             self.ctx.in_flight -= 1
-            with anyio.CancelScope(shield=True):
-                await events.aclose()  # runs the stream's own cleanup (engine abort) now, not at GC
