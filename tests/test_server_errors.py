@@ -275,10 +275,11 @@ def test_too_many_concurrent_requests_get_429():
             with httpx.stream("POST", srv.base_url + CHAT, json=chat(stream=True), timeout=10) as s:
                 assert s.status_code == 200
                 next(s.iter_lines())  # the role chunk; the engine is still holding the request
-        deadline = time.monotonic() + 10
-        while srv.app.state.server.context.in_flight and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert srv.app.state.server.context.in_flight == 0
+                assert srv.app.state.server.context.in_flight == 1
+            deadline = time.monotonic() + 10
+            while srv.app.state.server.context.in_flight and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert srv.app.state.server.context.in_flight == 0
         srv.call_in_loop(engine.release.set)
         assert httpx.post(srv.base_url + CHAT, json=chat()).status_code == 200
 
