@@ -271,6 +271,8 @@ def test_too_many_concurrent_requests_get_429():
         assert httpx.post(srv.base_url + CHAT, json=chat()).status_code == 200
         # streams that the client abandons while the engine holds them give their slot back
         srv.call_in_loop(engine.release.clear)
+        while engine.release.is_set():
+            time.sleep(0.01)
         for _ in range(3):
             with httpx.stream("POST", srv.base_url + CHAT, json=chat(stream=True), timeout=10) as s:
                 assert s.status_code == 200
