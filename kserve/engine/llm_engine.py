@@ -254,14 +254,24 @@ class LLMEngine:
         if sampled is not None:
             append_token = self.output_processor.append_token
             requests = self.requests
-            for seq, token_id, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
-                append_token(seq, token_id, logprob)
+            errors = sampled.errors
+            for row, (seq, token_id, logprob) in enumerate(zip(sampling, sampled.token_ids, sampled.logprobs)):
+                if errors and row in errors:
+                    continue
+                try:
+                    append_token(seq, token_id, logprob)
+                except Exception as exc:  # a constraint's accept_token raised
+                    errors[row] = exc
+                    continue
                 changed[seq.request_id] = requests[seq.request_id]
-            self.generation_tokens_total += len(sampling)
+            self.generation_tokens_total += len(sampling) - len(errors)
             self.scheduler.remove_finished(sampling)
+            for row, exc in errors.items():
+                for request in self.fail_requests({sampling[row].request_id}, exc):
+                    changed[request.request_id] = request
         for request_id, request in changed.items():
             if request.finished:
-                del self.requests[request_id]
+                self.requests.pop(request_id, None)
         return list(changed.values())
 
     def _unblock(self) -> list[Request]:

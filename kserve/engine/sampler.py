@@ -13,7 +13,7 @@ samples depend only on its seed and its own history, never on the batch, the dev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,8 @@ _M32 = 0xFFFFFFFF
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    # rows whose user code (logits processor, constraint) raised: their request fails, no one else's
+    errors: dict[int, Exception] = field(default_factory=dict)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -79,8 +81,9 @@ class Sampler:
         lp_rows = rows[Needs.LOGPROBS]
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
 
+        errors: dict[int, Exception] = {}
         if any_needs & Needs.PROCESSORS:
-            self._apply_logits_processors(logits, [(i, seqs[i]) for i in rows[Needs.PROCESSORS]])
+            self._apply_logits_processors(logits, [(i, seqs[i]) for i in rows[Needs.PROCESSORS]], errors)
         if any_needs & Needs.LOGIT_BIAS:
             self._apply_logit_bias(logits, [(i, seqs[i]) for i in rows[Needs.LOGIT_BIAS]])
         if any_needs & Needs.PENALTIES:
@@ -88,7 +91,7 @@ class Sampler:
         if any_needs & Needs.MIN_TOKENS:
             self._apply_min_tokens(logits, [(i, seqs[i]) for i in rows[Needs.MIN_TOKENS]])
         if constrained:
-            self._apply_constraints(logits, [(i, seqs[i]) for i in constrained])
+            self._apply_constraints(logits, [(i, seqs[i]) for i in constrained], errors)
 
         if any_needs & Needs.RANDOM:
             sampled = self._sample_random(logits, seqs, rows, any_needs)
@@ -99,16 +102,21 @@ class Sampler:
         logprobs: list[TokenLogprob | None] = [None] * batch
         if raw_logprobs is not None:
             self._gather_logprobs(raw_logprobs, lp_rows, sampled, token_ids, seqs, logprobs)
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(token_ids, logprobs, errors)
 
     # ------------------------------------------------------------------ logits processing
-    def _apply_logits_processors(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
+    def _apply_logits_processors(
+        self, logits: torch.Tensor, items: list[tuple[int, Sequence]], errors: dict[int, Exception]
+    ) -> None:
         for i, seq in items:
             out = seq.output_token_ids
             row = logits[i]
-            for proc in seq.params.logits_processors:
-                row = proc(out, row)
-            logits[i] = row
+            try:
+                for proc in seq.params.logits_processors:
+                    row = proc(out, row)
+                logits[i] = row
+            except Exception as exc:
+                errors[i] = exc
 
     def _apply_logit_bias(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
         rows: list[int] = []
@@ -165,15 +173,20 @@ class Sampler:
                 torch.tensor(float("-inf"), device=dev),
             )
 
-    def _apply_constraints(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
+    def _apply_constraints(
+        self, logits: torch.Tensor, items: list[tuple[int, Sequence]], errors: dict[int, Exception]
+    ) -> None:
         vocab = logits.shape[1]
         bitmask = new_bitmask(len(items), vocab)
-        for j, (_, seq) in enumerate(items):
-            if seq.constraint.is_terminated():
-                stop = [t for t in self.stop_ids_for(seq) if 0 <= t < vocab][:1]
-                set_allowed(bitmask, j, stop)
-            else:
-                seq.constraint.fill_bitmask(bitmask, j)
+        for j, (i, seq) in enumerate(items):
+            try:
+                if seq.constraint.is_terminated():
+                    stop = [t for t in self.stop_ids_for(seq) if 0 <= t < vocab][:1]
+                    set_allowed(bitmask, j, stop)
+                else:
+                    seq.constraint.fill_bitmask(bitmask, j)
+            except Exception as exc:
+                errors[i] = exc
         rows = torch.tensor([i for i, _ in items], device=logits.device)
         apply_token_bitmask(logits, bitmask, rows)
 
