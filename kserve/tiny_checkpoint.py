@@ -364,13 +364,18 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_tiny_checkpoint(dir: str | os.PathLike, seed: int = 0, variant: str = "k2") -> Path:
-    """Write a complete tiny model directory; returns its path."""
+def write_tiny_checkpoint(
+    dir: str | os.PathLike, seed: int = 0, variant: str = "k2", config_overrides: dict[str, Any] | None = None
+) -> Path:
+    """Write a complete tiny model directory; returns its path.
+
+    `config_overrides` replaces config.json keys (sizes), e.g. for a larger model in benchmarks.
+    """
     from safetensors.torch import save_file
 
     out_dir = Path(dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_config(variant)
+    cfg = {**tiny_config(variant), **(config_overrides or {})}
     tensors = _random_weights(cfg, seed)
     num_shards = 2
     shards: dict[int, dict[str, Any]] = {i: {} for i in range(1, num_shards + 1)}
