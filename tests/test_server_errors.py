@@ -276,8 +276,10 @@ def test_too_many_concurrent_requests_get_429():
         for _ in range(3):
             with httpx.stream("POST", srv.base_url + CHAT, json=chat(stream=True), timeout=10) as s:
                 assert s.status_code == 200
-                next(s.iter_lines())  # the role chunk; the engine is still holding the request
+                lines = s.iter_lines()  # kept: dropping the iterator closes the connection
+                next(lines)  # the role chunk; the engine is still holding the request
                 assert srv.app.state.server.context.in_flight == 1
+                del lines
             deadline = time.monotonic() + 10
             while srv.app.state.server.context.in_flight and time.monotonic() < deadline:
                 time.sleep(0.01)
