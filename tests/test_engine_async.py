@@ -6,11 +6,10 @@ import asyncio
 import random
 
 import pytest
-import torch
+from test_engine_toy import TOY_VOCAB, CharTokenizer, make_toy_engine, run_to_completion
 
 from kserve.engine.async_engine import AsyncLLMEngine
 from kserve.engine.sampling_params import SamplingParams
-from test_engine_toy import TOY_VOCAB, CharTokenizer, make_toy_engine, run_to_completion
 
 
 def prompt(seed: int, n: int = 20) -> list[int]:
@@ -68,7 +67,7 @@ def test_concurrent_streams_match_offline_and_abort_frees_blocks() -> None:
                 lens = [len(s.token_ids) for s in snaps]
                 assert lens == sorted(lens) and all(not s.finished for s in snaps[:-1])
             assert results[6] == 3
-            first, rest = results[7]
+            _first, rest = results[7]
             assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
             for _ in range(200):
                 stats = engine.stats()

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
+from test_engine_sampler_helpers import EvenOnlyGuide
+from test_engine_toy import TOY_VOCAB, CharTokenizer, make_toy_engine
 
 from kserve.engine.llm import LLM
 from kserve.engine.logits_process import TypicalLogitsProcessor
 from kserve.engine.sampling_params import SamplingParams
-from test_engine_sampler_helpers import EvenOnly, EvenOnlyGuide
-from test_engine_toy import TOY_VOCAB, make_toy_engine
 
 PROMPT = [10, 20, 30, 40, 50]
 
@@ -87,3 +87,12 @@ def test_terminated_constraint_without_stop_tokens_finishes() -> None:
     )[0]
     assert len(out.token_ids) == 3 and all(t % 2 == 0 for t in out.token_ids)
     assert out.outputs[0].finish_reason == "stop"
+
+
+def test_terminated_constraint_stops_even_with_ignore_eos() -> None:
+    engine = make_toy_engine(tokenizer=CharTokenizer())  # declares stop tokens 1 and 2
+    guide = EvenOnlyGuide(limit=2)
+    out = LLM.from_engine(engine).generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=30, guided=guide, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert out.token_ids[-1] == 1 and len(out.token_ids) == 3 and out.outputs[0].finish_reason == "stop"

@@ -60,7 +60,7 @@ class ToyModel(torch.nn.Module):
 class CharTokenizer:
     """Token id i <-> chr(i); ids 1 and 2 are special stop tokens that decode to nothing."""
 
-    stop_token_ids = [1, 2]
+    stop_token_ids = (1, 2)
     eos_id = 1
     vocab_size = TOY_VOCAB
 
@@ -70,7 +70,7 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(i) for i in ids if i > 2)
 
-    def detokenizer(self, skip_special_tokens: bool = False) -> "CharDetokenizer":
+    def detokenizer(self, skip_special_tokens: bool = False) -> CharDetokenizer:
         return CharDetokenizer(self)
 
 

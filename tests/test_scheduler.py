@@ -59,7 +59,8 @@ def test_max_num_seqs() -> None:
 
 def test_preempts_latest_and_requeues_it_first() -> None:
     s = make(num_blocks=4, budget=64)  # 16 token slots
-    a, b = add(s, 0, 7), add(s, 1, 7)  # 2 blocks each, all 4 used after the prompts
+    add(s, 0, 7)
+    b = add(s, 1, 7)  # 2 blocks each, all 4 used after the prompts
     step(s)
     assert s.block_manager.num_free_blocks == 0
     got = step(s)  # both decode at position 7, still inside their second block

@@ -11,9 +11,10 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from kserve.config import EngineConfig, ModelConfig
 from kserve.engine.llm_engine import EngineStats, LLMEngine
@@ -28,7 +29,7 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    stream: "_Stream"
+    stream: _Stream
 
 
 @dataclass
@@ -63,7 +64,7 @@ class AsyncLLMEngine:
         self._stats = engine.stats()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
         return cls(LLMEngine.from_config(config))
 
     # ------------------------------------------------------------------ lifecycle
@@ -148,7 +149,7 @@ class AsyncLLMEngine:
         if isinstance(command, _Add):
             try:
                 engine.add_request(command.request_id, command.prompt_token_ids, command.params)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 -- reported to the request's stream
                 command.stream.put(exc)
                 return
             self._streams[command.request_id] = command.stream

@@ -168,6 +168,6 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def _set_hash(self, block: "Block", h: int, tokens: tuple[int, ...]) -> None:
+    def _set_hash(self, block: Block, h: int, tokens: tuple[int, ...]) -> None:
         block.hash, block.token_ids = h, tokens
         self.hash_to_block[h] = block.block_id

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence as Seq
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Sequence as Seq
+from typing import Any
 
 from kserve.config import EngineConfig
 from kserve.engine.llm_engine import LLMEngine
@@ -34,7 +35,7 @@ class LLM:
         self._init(LLMEngine.from_config(config))
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> "LLM":
+    def from_engine(cls, engine: LLMEngine) -> LLM:
         llm = cls.__new__(cls)
         llm._init(engine)
         return llm

@@ -158,7 +158,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
         from kserve.chat import load_tokenizer
         from kserve.model import load_model
 
@@ -247,7 +247,7 @@ class LLMEngine:
             logits = self.runner.run(out.scheduled)
             self.scheduler.finish_step(out)
             sampled = self.sampler.sample(logits, sampling) if sampling else None
-        except Exception as exc:  # a failing step fails its requests, never the engine
+        except Exception as exc:  # noqa: BLE001 -- a failing step fails its requests, never the engine
             return self.fail_requests({item.seq.request_id for item in out.scheduled}, exc)
 
         changed: dict[str, Request] = {}
@@ -260,7 +260,7 @@ class LLMEngine:
                     continue
                 try:
                     append_token(seq, token_id, logprob)
-                except Exception as exc:  # a constraint's accept_token raised
+                except Exception as exc:  # noqa: BLE001 -- user code (a constraint) raised
                     errors[row] = exc
                     continue
                 changed[seq.request_id] = requests[seq.request_id]

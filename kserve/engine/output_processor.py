@@ -32,17 +32,21 @@ class OutputProcessor:
         num_output = len(seq.token_ids) - seq.num_prompt_tokens
         if logprob is not None and seq.logprobs is not None:
             seq.logprobs.append(logprob)
-        if seq.constraint is not None and not seq.constraint.is_terminated():
-            if not seq.constraint.accept_token(token_id):
-                self._finish(seq, "stop", None)  # the sampler masked it, so this is a constraint bug
-                return
-            if seq.constraint.is_terminated() and not (self.eos_token_ids or params.stop_token_ids):
-                self._finish(seq, "stop", None)  # complete, and no stop token to force
-                return
+        ignore_eos = params.ignore_eos
+        if seq.constraint is not None:
+            if seq.constraint.is_terminated():
+                ignore_eos = False  # the sampler forced a stop token: honour it
+            else:
+                if not seq.constraint.accept_token(token_id):
+                    self._finish(seq, "stop", None)  # the sampler masked it: a constraint bug
+                    return
+                if seq.constraint.is_terminated() and not (self.eos_token_ids or params.stop_token_ids):
+                    self._finish(seq, "stop", None)  # complete, and no stop token to force
+                    return
 
         check_stops = num_output >= params.min_tokens
         if check_stops and (
-            (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids
+            (token_id in self.eos_token_ids and not ignore_eos) or token_id in params.stop_token_ids
         ):
             self._finish(seq, "stop", token_id)
             return

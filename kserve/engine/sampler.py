@@ -115,7 +115,7 @@ class Sampler:
                 for proc in seq.params.logits_processors:
                     row = proc(out, row)
                 logits[i] = row
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 -- user code: fails only its request
                 errors[i] = exc
 
     def _apply_logit_bias(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
@@ -185,7 +185,7 @@ class Sampler:
                     set_allowed(bitmask, j, stop)
                 else:
                     seq.constraint.fill_bitmask(bitmask, j)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 -- user code: fails only its request
                 errors[i] = exc
         rows = torch.tensor([i for i, _ in items], device=logits.device)
         apply_token_bitmask(logits, bitmask, rows)

@@ -30,7 +30,7 @@ class Needs(IntFlag):
     SEED = auto()
 
     @classmethod
-    def of(cls, params: SamplingParams) -> "Needs":
+    def of(cls, params: SamplingParams) -> Needs:
         needs = cls.NOTHING
         if params.temperature != 0.0:
             needs |= cls.RANDOM
