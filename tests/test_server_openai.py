@@ -208,11 +208,10 @@ def test_client_disconnect_aborts_and_frees_cache_blocks(server, ctx):
             "ignore_eos": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", server.base_url + "/v1/chat/completions", json=body) as resp:
+            lines = resp.iter_lines()  # kept alive: dropping it would close the connection early
             seen = 0
-            for line in resp.iter_lines():
-                seen += bool(line)
-                if seen >= 4:
-                    break
+            while seen < 4:
+                seen += bool(next(lines))
             during = engine.stats()
             assert during.num_running == 1 and during.kv_blocks_used > 0
     deadline = time.monotonic() + 30
