@@ -171,7 +171,7 @@ async def run_chat(ctx: ServingContext, prep: PreparedChat, request: Any) -> Cha
                 logger.info("request %s: client disconnected; aborting", prep.request_id)
                 break
     except ValueError as exc:  # the engine refused the prompt
-        raise bad_request(str(exc), "messages") from None
+        raise bad_request(f"the engine refused the request: {exc}") from None
     finally:
         if final is None or not final.finished:
             await ctx.abort(prep.request_id)

@@ -161,7 +161,7 @@ async def run_completion(ctx: ServingContext, prep: PreparedCompletion, request:
             if await watch.gone():
                 break
     except ValueError as exc:  # the engine refused a prompt
-        raise bad_request(str(exc), "prompt") from None
+        raise bad_request(f"the engine refused the request: {exc}") from None
     if any(f is None or not f.finished for f in finals):
         raise APIError(500, "request aborted before it finished", code="aborted")
     choices = [_choice(ctx, prep, i, o) for i, f in enumerate(finals) for o in sorted(f.outputs, key=lambda o: o.index)]
