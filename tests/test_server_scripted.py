@@ -442,3 +442,21 @@ def test_parallel_tool_calls_false_returns_one_call(scripted, stream):
         finish = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason][-1]
     assert calls == [("functions.get_weather:0", '{"city": "Beijing"}')]
     assert finish == "tool_calls"
+
+
+def test_startup_self_check_catches_a_template_parser_mismatch(scripted):
+    from kserve.server.self_check import SelfCheckError, run_self_check
+
+    server, _, _, _ = scripted
+    ctx = server.app.state.server.context
+    run_self_check(ctx)  # the built-in K2 format agrees with the parser
+    # A template that writes tool calls as plain JSON (a fine-tune's format, say) must refuse to serve.
+    drifted = ChatTemplate(source=(
+        "{% for m in messages %}<|im_{{ 'user' if m.role == 'user' else 'assistant' }}|>{{ m.role }}<|im_middle|>"
+        "{{ m.content or '' }}{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}<|im_end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"), origin="drifted")
+    bad = ServingContext(engine=ctx.engine, tokenizer=ctx.tokenizer, template=drifted, model_name=MODEL,
+                         max_model_len=ctx.max_model_len, vocab_size=ctx.vocab_size, settings=ctx.settings,
+                         metrics=ServerMetrics())
+    with pytest.raises(SelfCheckError, match="tool parser"):
+        run_self_check(bad)
