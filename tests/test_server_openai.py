@@ -98,6 +98,8 @@ def test_chat_streaming_wire_format(server, ctx):
     assert len(finishes) == 1 and finishes[0] in ("stop", "length")
     usage = events[-1]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
+    finish_choice = next(c for e in events for c in e["choices"] if c["finish_reason"])
+    assert finish_choice["usage"] == usage["usage"]  # Moonshot-style copy for the K2 vendor verifier
     entries = [t for e in events for c in e["choices"] for t in ((c.get("logprobs") or {}).get("content") or [])]
     assert len(entries) == usage["usage"]["completion_tokens"]
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + usage["usage"]["completion_tokens"]
@@ -152,6 +154,15 @@ def test_completions_raw_prompt_n2_logprobs_echo(client, ctx):
     resp_ids = client.completions.create(model=ctx.model_name, prompt=ids, max_tokens=4, echo=True, seed=11)
     assert resp_ids.usage.prompt_tokens == len(ids)
     assert resp_ids.choices[0].text.startswith(prompt)
+
+
+def test_completions_several_prompts(client, ctx):
+    prompts = ["one two", "three four five"]
+    resp = client.completions.create(model=ctx.model_name, prompt=prompts, max_tokens=3, n=2, seed=2)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert resp.usage.prompt_tokens == sum(len(ctx.tokenizer.encode(p)) for p in prompts)
+    single = client.completions.create(model=ctx.model_name, prompt=prompts[1], max_tokens=3, n=2, seed=2)
+    assert [c.text for c in resp.choices[2:]] == [c.text for c in single.choices]  # same seed, same texts
 
 
 def test_completions_stop_string_cuts_output(client, ctx):

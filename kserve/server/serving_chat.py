@@ -317,7 +317,11 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
                     yield chunk(ChatChunkChoice(index=state.index, delta=delta, logprobs=logprobs))
                 if finished:
                     state.done = True
-                    yield chunk(_final_choice(ctx, prep, state, output.finish_reason))
+                    final_choice = _final_choice(ctx, prep, state, output.finish_reason)
+                    if include_usage and prep.params.n == 1:
+                        # Moonshot's API also puts usage in the last choice; the K2 vendor verifier reads it there.
+                        final_choice.usage = _usage(prep.prompt_ids, out.outputs, out.num_cached_tokens)
+                    yield chunk(final_choice)
             if out.finished:
                 break
     except Exception as exc:  # the status line is already sent: report in-band, then end the stream
