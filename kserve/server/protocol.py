@@ -102,7 +102,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -122,7 +122,7 @@ class _SamplingFields(_Request):
     min_tokens: int = Field(default=0, ge=0)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     tools: list[ToolDefinition] | None = None
     tool_choice: str | NamedToolChoice | None = None
@@ -134,7 +134,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False

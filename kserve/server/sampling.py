@@ -6,7 +6,7 @@ from typing import Any
 
 from kserve.engine.sampling_params import SamplingParams
 from kserve.server.errors import APIError, bad_request
-from kserve.server.protocol import _SamplingFields
+from kserve.server.protocol import SamplingFields
 
 
 def fit_max_tokens(prompt_len: int, requested: int | None, max_model_len: int) -> int:
@@ -37,7 +37,7 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, floa
 
 
 def build_sampling_params(
-    req: _SamplingFields,
+    req: SamplingFields,
     *,
     max_tokens: int,
     stop: list[str],
