@@ -247,11 +247,15 @@ async def load_serving_context(settings: ServerSettings, metrics: ServerMetrics)
 
     engine = await asyncio.to_thread(AsyncLLMEngine.from_config, settings.engine)
     await engine.start()
-    template = await asyncio.to_thread(ChatTemplate.load, engine.model_dir, settings.chat_template)
-    name = settings.served_model_name or Path(engine.model_dir).name
-    ctx = ServingContext(engine=engine, tokenizer=engine.tokenizer, template=template, model_name=name,
-                         max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
-                         settings=settings, metrics=metrics)
-    if not settings.skip_self_check:
-        run_self_check(ctx)
+    try:
+        template = await asyncio.to_thread(ChatTemplate.load, engine.model_dir, settings.chat_template)
+        name = settings.served_model_name or Path(engine.model_dir).name
+        ctx = ServingContext(engine=engine, tokenizer=engine.tokenizer, template=template, model_name=name,
+                             max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
+                             settings=settings, metrics=metrics)
+        if not settings.skip_self_check:
+            run_self_check(ctx)
+    except BaseException:
+        await engine.shutdown()  # not serving: stop the engine's step thread
+        raise
     return ctx
