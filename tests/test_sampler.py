@@ -6,13 +6,18 @@ import math
 
 import pytest
 import torch
+from test_engine_sampler_helpers import EvenOnly
 
 from kserve.engine.logits_process import TokenConstraint, TypicalLogitsProcessor
 from kserve.engine.sampler import Sampler, seeded_exponential
 from kserve.engine.sampling_params import SamplingParams
 from kserve.engine.sequence import Sequence
-from test_engine_sampler_helpers import EvenOnly
-from kserve.engine.token_bitmask import apply_token_bitmask, new_bitmask, set_allowed, unpack_bitmask
+from kserve.engine.token_bitmask import (
+    apply_token_bitmask,
+    new_bitmask,
+    set_allowed,
+    unpack_bitmask,
+)
 
 EOS = 3
 
@@ -20,17 +25,14 @@ EOS = 3
 def seq(params: SamplingParams, prompt=(7, 8), output=(), sid: int = 0) -> Sequence:
     s = Sequence(sid, f"r{sid}", 0, list(prompt), params, sid)
     s.token_ids.extend(output)
+    s.seed = 1000 + sid  # the engine gives every sequence its own seed
     return s
 
 
-def frequencies(
-    logits_row: torch.Tensor, params: SamplingParams, rows: int = 20000, seeded: bool = False
-) -> torch.Tensor:
-    sampler = Sampler([EOS], "cpu", seed=0)
+def frequencies(logits_row: torch.Tensor, params: SamplingParams, rows: int = 20000) -> torch.Tensor:
+    """Empirical distribution of one draw from each of `rows` differently seeded sequences."""
+    sampler = Sampler([EOS], "cpu")
     seqs = [seq(params, sid=i) for i in range(rows)]
-    if seeded:  # one draw from each of `rows` different seeds
-        for s in seqs:
-            s.seed = 1000 + s.seq_id
     out = sampler.sample(logits_row.expand(rows, -1).clone(), seqs).token_ids
     return torch.bincount(torch.tensor(out), minlength=logits_row.shape[0]).float() / rows
 
@@ -56,11 +58,8 @@ def test_greedy_is_argmax() -> None:
         (SamplingParams(min_p=0.5), torch.tensor([0.5, 0.3, 0, 0]) / 0.8),
     ],
 )
-@pytest.mark.parametrize("seeded", [False, True])
-def test_sampling_distribution(params: SamplingParams, expected: torch.Tensor, seeded: bool) -> None:
-    if seeded:
-        params = SamplingParams(**{**params.__dict__, "seed": 5})
-    got = frequencies(LOGITS, params, seeded=seeded)
+def test_sampling_distribution(params: SamplingParams, expected: torch.Tensor) -> None:
+    got = frequencies(LOGITS, params)
     torch.testing.assert_close(got, expected.float(), atol=0.015, rtol=0)
 
 
@@ -78,6 +77,24 @@ def test_mixed_batch_rows_keep_their_own_settings() -> None:
             seq(SamplingParams(temperature=1.0, logit_bias={2: 100.0}), sid=2),
             seq(SamplingParams(temperature=0.0, logit_bias={3: 100.0}), sid=3)]
     assert Sampler([EOS], "cpu").sample(logits, seqs).token_ids == [0, 0, 2, 3]
+
+
+def test_top_k_top_p_partial_and_full_sort_agree() -> None:
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(5)) * 3
+    small = [SamplingParams(top_k=k, top_p=p) for k, p in [(5, 1.0), (40, 0.8), (1, 0.5)]]
+    mixed = small + [SamplingParams(top_p=0.7), SamplingParams(), SamplingParams(temperature=0.0)]
+    from kserve.engine.sampler import _top_k_top_p
+
+    got_small = _top_k_top_p(logits[:3], [seq(p, sid=i) for i, p in enumerate(small)])  # topk path
+    got_full = _top_k_top_p(logits, [seq(p, sid=i) for i, p in enumerate(mixed)])  # sort path
+    torch.testing.assert_close(got_small, got_full[:3])
+    assert torch.equal(got_full[4:], logits[4:])  # rows that did not ask are untouched
+    kept = torch.isfinite(got_full)
+    assert kept[0].sum() == 5 and kept[2].sum() == 1
+    probs = torch.softmax(logits[3], -1)
+    top = probs.sort(descending=True).values
+    n = int((top.cumsum(0) - top < 0.7).sum())
+    assert kept[3].sum() == n
 
 
 def test_penalties_match_formula() -> None:
@@ -115,10 +132,10 @@ def test_seeded_rows_ignore_batch_composition() -> None:
     p = SamplingParams(temperature=1.0, seed=99)
     runs = []
     for batch in (1, 5):
-        sampler = Sampler([EOS], "cpu", seed=batch)  # a different engine seed each time
+        sampler = Sampler([EOS], "cpu")
         s = seq(p)
         s.seed = 99
-        others = [seq(SamplingParams(temperature=1.0), sid=i + 1) for i in range(batch - 1)]
+        others = [seq(SamplingParams(temperature=1.0), sid=i + 1 + batch) for i in range(batch - 1)]
         tokens = []
         for _ in range(5):
             tokens.append(sampler.sample(logits.expand(batch, -1).clone(), others + [s]).token_ids[-1])

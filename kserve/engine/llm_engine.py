@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, self.device, dtype)
-        self.sampler = Sampler(eos, self.device, seed=config.seed)
+        self.sampler = Sampler(eos, self.device)
+        self._seed_rng = random.Random(config.seed)  # seeds for requests that bring none
         self.output_processor = OutputProcessor(tokenizer, eos, self.max_model_len)
 
         self.requests: dict[str, Request] = {}
@@ -197,8 +199,9 @@ class LLMEngine:
         share_prompt = params.n > 1 and self.config.enable_prefix_caching
         for index in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, index, prompt_token_ids, params, arrival)
-            if params.seed is not None:
-                seq.seed = params.seed + index * SEED_STRIDE
+            seq.seed = (
+                params.seed + index * SEED_STRIDE if params.seed is not None else self._seed_rng.getrandbits(63)
+            )
             if params.guided is not None:
                 seq.constraint = params.guided.make_constraint()
             if share_prompt and index > 0:

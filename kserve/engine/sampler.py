@@ -6,9 +6,10 @@ flag set computed once from its parameters). The only host transfer in the commo
 final list of sampled ids (plus the requested logprobs, when a row asks for them).
 
 Random rows use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is an exact sample of p.
-Unseeded rows draw E from the engine's generator in one call. Seeded rows draw E from a counter-
-based hash of (seed, output position, token id), computed for all seeded rows at once: a request's
-samples depend only on its seed and its own history, never on the batch, the device or preemption.
+E comes from a counter-based hash of (seed, output position, token id), computed for all random rows
+at once. Every sequence has a seed (the request's, or one drawn by the engine from its own seeded
+RNG), so a request's samples depend only on its seed and its own history: never on the batch, the
+device or preemption.
 """
 
 from __future__ import annotations
@@ -54,10 +55,9 @@ def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int)
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: list[int], device: torch.device | str, seed: int = 0) -> None:
+    def __init__(self, eos_token_ids: list[int], device: torch.device | str) -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def stop_ids_for(self, seq: Sequence) -> list[int]:
         return self.eos_token_ids + [t for t in seq.params.stop_token_ids if t not in self.eos_token_ids]
@@ -194,33 +194,29 @@ class Sampler:
     def _sample_random(
         self, logits: torch.Tensor, seqs: list[Sequence], rows: dict[Needs, list[int]], any_needs: Needs
     ) -> torch.Tensor:
+        """Sample the rows with temperature > 0 (greedy rows take the argmax); vectorised."""
         dev = logits.device
         random_rows = rows[Needs.RANDOM]
         all_random = len(random_rows) == len(seqs)
-        greedy_argmax = None if all_random else logits.argmax(dim=-1)
-        temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=dev).unsqueeze(1)
-        scaled = logits / temps
-
+        picked = seqs if all_random else [seqs[i] for i in random_rows]
+        sub = logits if all_random else logits[random_rows]
+        temps = torch.tensor([s.params.temperature for s in picked], device=dev).unsqueeze(1)
+        sub = sub / temps
         if any_needs & Needs.TOP_K_TOP_P:
-            scaled = _top_k_top_p(scaled, seqs)
-        probs = torch.softmax(scaled, dim=-1)
+            sub = _top_k_top_p(sub, picked)
+        probs = torch.softmax(sub, dim=-1)
         if any_needs & Needs.MIN_P:
-            min_p = torch.tensor([s.params.min_p for s in seqs], device=dev).unsqueeze(1)
-            threshold = min_p * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        seeded = rows[Needs.SEED]
-        if seeded:
-            seeds = torch.tensor([seqs[i].seed for i in seeded], dtype=torch.int64, device=dev)
-            positions = torch.tensor([seqs[i].num_output_tokens for i in seeded], dtype=torch.int64, device=dev)
-            noise[seeded] = seeded_exponential(seeds, positions, probs.shape[1])
+            min_p = torch.tensor([s.params.min_p for s in picked], device=dev).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        seeds = torch.tensor([s.seed for s in picked], dtype=torch.int64)
+        positions = torch.tensor([len(s.token_ids) - s.num_prompt_tokens for s in picked], dtype=torch.int64)
+        noise = seeded_exponential(seeds.to(dev, non_blocking=True), positions.to(dev, non_blocking=True), probs.shape[1])
         sampled = (probs / noise).argmax(dim=-1)
-        if greedy_argmax is not None:
-            is_random = torch.zeros(len(seqs), dtype=torch.bool)
-            is_random[random_rows] = True
-            sampled = torch.where(is_random.to(dev, non_blocking=True), sampled, greedy_argmax)
-        return sampled
+        if all_random:
+            return sampled
+        out = logits.argmax(dim=-1)
+        out[random_rows] = sampled
+        return out
 
     def _gather_logprobs(
         self,
@@ -260,18 +256,32 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 
 
 def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Mask logits outside each row's top-k and nucleus (top-p), with one sort."""
+    """Mask logits outside each row's top-k and nucleus (top-p).
+
+    Only the rows that ask are touched. When each of them sets a top_k, a partial sort (topk) of
+    the largest top_k suffices; otherwise those rows are fully sorted.
+    """
+    rows = [i for i, s in enumerate(seqs) if s.needs & Needs.TOP_K_TOP_P]
     dev = logits.device
     vocab = logits.shape[1]
-    params = [s.params for s in seqs]
-    top_k = torch.tensor(
-        [p.top_k if p.top_k not in (-1, 0, None) else vocab for p in params], device=dev
-    ).unsqueeze(1)
+    params = [seqs[i].params for i in rows]
+    ks = [p.top_k if p.top_k not in (-1, 0, None) else vocab for p in params]
+    sub = logits if len(rows) == len(seqs) else logits[rows]
+    width = max(ks)
+    if width < vocab // 2:
+        sorted_logits, order = sub.topk(width, dim=-1)
+    else:
+        sorted_logits, order = sub.sort(dim=-1, descending=True)
+    top_k = torch.tensor(ks, device=dev).unsqueeze(1)
     top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+    ranks = torch.arange(sorted_logits.shape[1], device=dev).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))  # first token stays
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    masked = torch.full_like(sub, float("-inf")).scatter(1, order, sorted_logits)
+    if len(rows) == len(seqs):
+        return masked
+    out = logits.clone()
+    out[rows] = masked
+    return out

@@ -27,7 +27,6 @@ class Needs(IntFlag):
     MIN_TOKENS = auto()
     PROCESSORS = auto()
     LOGPROBS = auto()
-    SEED = auto()
 
     @classmethod
     def of(cls, params: SamplingParams) -> Needs:
@@ -38,8 +37,6 @@ class Needs(IntFlag):
                 needs |= cls.TOP_K_TOP_P
             if params.min_p > 0.0:
                 needs |= cls.MIN_P
-            if params.seed is not None:
-                needs |= cls.SEED
         if params.logit_bias:
             needs |= cls.LOGIT_BIAS
         if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
@@ -88,7 +85,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.needs = Needs.of(params)
-        self.seed: int | None = None  # this completion's sampling seed (derived from params.seed)
+        self.seed = 0  # this completion's sampling seed (from params.seed, else drawn by the engine)
         self.constraint: Any = None  # kserve.engine.logits_process.TokenConstraint
         # Text state, owned by kserve.engine.output_processor.
         self.detokenizer: Any = None
