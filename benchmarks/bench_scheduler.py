@@ -2,7 +2,7 @@
 
 The model forward is replaced by a stub that returns fixed logits, so what is timed is everything
 the engine does around the model in a decode step. Uses the embedded tiny model's tokenizer and
-vocabulary unless --vocab is given (e.g. 163840 for K2's; on a CPU "device" the sampler's math over
+vocabulary unless --tokenizer names another (../shared/kimi_k2: K2's 163840; on a CPU "device" the sampler's math over
 that vocabulary then shows up here too, while on a GPU it is device time).
 
     python benchmarks/bench_scheduler.py [--batch 256] [--steps 200] [--mixed]
@@ -56,7 +56,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer dir with its vocabulary size, e.g. ../shared/kimi_k2 for K2's 163840")
     ap.add_argument("--mixed", action="store_true", help="half the rows sample with top_p/top_k, seeds, stop strings")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     args = ap.parse_args()
@@ -68,11 +69,10 @@ def main() -> None:
     from kserve.tiny_checkpoint import ensure_embedded_model
 
     model_dir = ensure_embedded_model()
-    tokenizer = load_tokenizer(model_dir)
-    config = ModelConfig.from_model_dir(model_dir)
+    tokenizer = load_tokenizer(args.tokenizer or model_dir)
+    config = ModelConfig.from_model_dir(args.tokenizer or model_dir)
     # a one-layer, narrow cache: the stub never reads it
-    config = replace(config, num_hidden_layers=1, kv_lora_rank=4, qk_rope_head_dim=4,
-                     vocab_size=args.vocab or config.vocab_size)
+    config = replace(config, num_hidden_layers=1, kv_lora_rank=4, qk_rope_head_dim=4)
     tokens_per_seq = args.prompt_len + args.steps + 24
     engine_config = EngineConfig(block_size=16, num_kv_blocks=args.batch * (tokens_per_seq // 16 + 2),
                                  max_num_seqs=args.batch, max_num_batched_tokens=args.batch * args.prompt_len)
