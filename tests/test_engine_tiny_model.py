@@ -142,3 +142,26 @@ def test_chat_uses_template_and_stops_on_stop_tokens(tiny) -> None:
     for out in outs:
         assert out.prompt_token_ids[-1] != im_end and im_end in out.prompt_token_ids
         assert out.token_ids == [im_end] and out.text == "" and out.outputs[0].finish_reason == "stop"
+
+
+def test_json_schema_grammar_through_the_constraint_hook(tiny) -> None:
+    import json
+
+    from kserve.chat.grammar import GrammarCompiler, GrammarSpec
+
+    model, tokenizer, _ = tiny
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "c": {"enum": ["red", "green"]}},
+              "required": ["ok", "c"], "additionalProperties": False}  # bounded: a random model can finish it
+    guided = GrammarCompiler(tokenizer, model.config.vocab_size).compile(GrammarSpec.json_schema(schema))
+    llm = make_llm(tiny, num_kv_blocks=12, block_size=8)  # small cache: preemption must keep matcher state
+    prompts = ["Answer in JSON:", "JSON please", "Reply with an object"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=80, guided=guided), use_tqdm=False)
+    for out in outs:
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        value = json.loads(completion.text)
+        assert set(value) == {"ok", "c"} and isinstance(value["ok"], bool) and value["c"] in ("red", "green")
+        assert completion.token_ids[-1] in llm.engine.eos_token_ids
+    free = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
+    assert not free.text.startswith('{"')  # the grammar, not the model, made these JSON
+    assert llm.engine.stats().kv_blocks_used == 0

@@ -33,14 +33,14 @@ class OutputProcessor:
         if logprob is not None and seq.logprobs is not None:
             seq.logprobs.append(logprob)
         ignore_eos = params.ignore_eos
-        if seq.constraint is not None:
-            if seq.constraint.is_terminated():
-                ignore_eos = False  # the sampler forced a stop token: honour it
-            else:
-                if not seq.constraint.accept_token(token_id):
-                    self._finish(seq, "stop", None)  # the sampler masked it: a constraint bug
-                    return
-                if seq.constraint.is_terminated() and not (self.eos_token_ids or params.stop_token_ids):
+        constraint = seq.constraint
+        if constraint is not None:
+            if not constraint.is_terminated() and not constraint.accept_token(token_id):
+                self._finish(seq, "stop", None)  # the sampler masked it: a constraint bug
+                return
+            if constraint.is_terminated():
+                ignore_eos = False  # the grammar is complete: its stop token ends the completion
+                if not (self.eos_token_ids or params.stop_token_ids):
                     self._finish(seq, "stop", None)  # complete, and no stop token to force
                     return
 
