@@ -1,9 +1,9 @@
 """Load generator for the OpenAI-compatible server: TTFT, ITL, throughput and p50/p99 against concurrency.
 
 Drives `/v1/chat/completions` (streaming, `stream_options.include_usage`) with the official `openai` client.
-Without `--base-url` it starts the server in-process on the embedded tiny model and also runs the same
-load straight against the engine (no HTTP) as the in-process baseline, reporting the server's throughput as
-a ratio of it.
+Without `--base-url` it starts `kserve serve` on the embedded tiny model (a subprocess by default) and also
+runs the same load straight against the same engine in this process (no HTTP) as the baseline, reporting
+the server's throughput as a ratio of it.
 
     python benchmarks/serve_bench.py --concurrency 1,2,4,8 --num-prompts 16 --input-len 64 --output-len 32 \
         --out-json bench.json --out-png bench.png
@@ -15,7 +15,9 @@ import argparse
 import asyncio
 import json
 import random
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -193,36 +195,102 @@ def plot(reports: list[LevelReport], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+class LocalServer:
+    """`kserve serve` on the embedded tiny model, in a subprocess (the realistic case: the client does not
+    share the server's interpreter) or in a thread of this process."""
+
+    def __init__(self, mode: str, max_num_seqs: int) -> None:
+        self.mode = mode
+        self.max_num_seqs = max_num_seqs
+        self.proc: subprocess.Popen | None = None
+        self.thread_server: Any = None
+        self.base_url = ""
+
+    async def start(self) -> None:
+        if self.mode == "thread":
+            from kserve.config import EngineConfig
+            from kserve.server.context import ServerSettings
+            from kserve.server.launch import BackgroundServer
+
+            settings = ServerSettings(port=0, engine=EngineConfig(max_num_seqs=self.max_num_seqs),
+                                      log_level="warning")
+            self.thread_server = await asyncio.to_thread(BackgroundServer(settings).start)
+            self.base_url = self.thread_server.base_url
+            return
+        import httpx
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kserve.cli", "serve", "--port", str(port), "--max-num-seqs",
+             str(self.max_num_seqs), "--log-level", "warning"])
+        self.base_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        async with httpx.AsyncClient() as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("kserve serve exited during startup")
+                try:
+                    if (await http.get(self.base_url + "/health")).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.2)
+        raise TimeoutError("kserve serve did not get ready")
+
+    async def stop(self) -> None:
+        if self.thread_server is not None:
+            await asyncio.to_thread(self.thread_server.stop)
+        if self.proc is not None:
+            self.proc.terminate()
+            await asyncio.to_thread(self.proc.wait)
+
+
+async def load_baseline_engine(max_num_seqs: int) -> tuple[Any, Any]:
+    """The same engine the server runs (embedded tiny model), in this process, plus a prompt encoder."""
+    from kserve.chat import ChatTemplate
+    from kserve.config import EngineConfig
+    from kserve.engine.async_engine import AsyncLLMEngine
+
+    engine = await asyncio.to_thread(AsyncLLMEngine.from_config, EngineConfig(max_num_seqs=max_num_seqs))
+    await engine.start()
+    template = ChatTemplate.load(engine.model_dir)
+
+    def encode(prompt: str) -> list[int]:
+        return template.encode(engine.tokenizer, [{"role": "user", "content": prompt}])
+
+    return engine, encode
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    server = None
+    server: LocalServer | None = None
     base_url, model = args.base_url, args.model
     if base_url is None:
-        from kserve.config import EngineConfig
-        from kserve.server.context import ServerSettings
-        from kserve.server.launch import BackgroundServer
-
-        settings = ServerSettings(port=0, engine=EngineConfig(max_num_seqs=max(levels)), log_level="warning")
-        server = await asyncio.to_thread(BackgroundServer(settings).start)
+        server = LocalServer(args.server_mode, max(levels))
+        await server.start()
         base_url = server.base_url
-        model = server.app.state.server.context.model_name
     client = AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0, timeout=600)
     if model is None:
         model = (await client.models.list()).data[0].id
     prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
+    engine = encode = None
+    if server is not None and not args.no_baseline:
+        engine, encode = await load_baseline_engine(max(levels))
     reports: list[LevelReport] = []
     try:
         await run_http_level(client, model, prompts[:2], 4, 2, float("inf"))  # warm-up
+        if engine is not None:
+            await run_engine_level(engine, [encode(p) for p in prompts[:2]], 4, 2, float("inf"))
         for conc in levels:
             results, duration = await run_http_level(client, model, prompts, args.output_len, conc, args.request_rate)
             report = summarize(conc, results, duration)
-            if server is not None and not args.no_baseline:
-                ctx = server.app.state.server.context
-                ids = [ctx.template.encode(ctx.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
-                base, base_duration = await run_engine_level(ctx.engine, ids, args.output_len, conc,
-                                                             args.request_rate)
+            if engine is not None:
+                base, base_duration = await run_engine_level(engine, [encode(p) for p in prompts], args.output_len,
+                                                             conc, args.request_rate)
                 baseline = summarize(conc, base, base_duration)
                 report.baseline_output_token_throughput = baseline.output_token_throughput
                 report.server_vs_engine_ratio = report.output_token_throughput / baseline.output_token_throughput
@@ -233,11 +301,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                   file=sys.stderr)
     finally:
         await client.close()
+        if engine is not None:
+            await engine.shutdown()
         if server is not None:
-            await asyncio.to_thread(server.stop)
+            await server.stop()
     summary = {
-        "base_url": base_url, "model": model, "input_len": args.input_len, "output_len": args.output_len,
-        "num_prompts": args.num_prompts,
+        "base_url": base_url, "model": model, "server_mode": args.server_mode if server else "external",
+        "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
         "request_rate": None if args.request_rate == float("inf") else args.request_rate,
         "levels": [asdict(r) for r in reports],
     }
@@ -259,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=32, help="generated tokens per request (ignore_eos)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-baseline", action="store_true", help="skip the direct-engine baseline")
+    p.add_argument("--server-mode", choices=["subprocess", "thread"], default="subprocess",
+                   help="without --base-url: run `kserve serve` in a subprocess, or in a thread of this process")
     p.add_argument("--out-json", default=None)
     p.add_argument("--out-png", default=None)
     return p
