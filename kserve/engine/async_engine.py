@@ -76,10 +76,12 @@ class AsyncLLMEngine:
 
     async def shutdown(self) -> None:
         if self._thread is None:
+            self.engine.shutdown()
             return
         self._commands.put(None)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self._thread = None
+        self.engine.shutdown()
 
     # ------------------------------------------------------------------ requests
     async def generate(

@@ -46,6 +46,16 @@ class LLM:
         self._ids = itertools.count()
         self._chat_template: Any = None
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes (a no-op for a single process)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:  # noqa: PYI034 -- subclasses are not expected
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     # ------------------------------------------------------------------ generate
     def generate(
         self,

@@ -124,8 +124,10 @@ class LLMEngine:
         model_dir: Path | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        tp_workers: Any = None,  # kserve.engine.tp_workers.TensorParallelWorkers, ranks 1..N-1
     ) -> None:
         self.config = config
+        self.tp_workers = tp_workers
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.model_dir = Path(model_dir) if model_dir is not None else None
@@ -148,7 +150,11 @@ class LLMEngine:
 
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, model_config, num_blocks, config.block_size, self.device, dtype)
+        if tp_workers is not None:
+            tp_workers.init_cache(num_blocks, config.block_size)
+        self.runner = ModelRunner(
+            model, model_config, num_blocks, config.block_size, self.device, dtype, peers=tp_workers
+        )
         self.sampler = Sampler(eos, self.device)
         self._seed_rng = random.Random(config.seed)  # seeds for requests that bring none
         self.output_processor = OutputProcessor(tokenizer, eos, self.max_model_len)
@@ -164,10 +170,6 @@ class LLMEngine:
         from kserve.chat import load_tokenizer
         from kserve.model import load_model
 
-        if config.tensor_parallel_size != 1:
-            raise NotImplementedError(
-                "the engine runs one process on one device; tensor_parallel_size > 1 is not supported yet"
-            )
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         if config.model is None:
@@ -176,9 +178,20 @@ class LLMEngine:
             model_dir = Path(ensure_embedded_model())
         else:
             model_dir = Path(config.model)
-        model = load_model(model_dir, device=device, dtype=dtype)
         tokenizer = load_tokenizer(model_dir)
-        return cls(model, model.config, tokenizer, config, model_dir, device, dtype)
+        if config.tensor_parallel_size == 1:
+            model = load_model(model_dir, device=device, dtype=dtype)
+            return cls(model, model.config, tokenizer, config, model_dir, device, dtype)
+
+        from kserve.engine.tp_workers import TensorParallelWorkers
+
+        workers = TensorParallelWorkers(model_dir, config.tensor_parallel_size, device, dtype)
+        try:
+            model = load_model(model_dir, device=device, dtype=dtype, parallel=workers.parallel)
+            return cls(model, model.config, tokenizer, config, model_dir, device, dtype, tp_workers=workers)
+        except BaseException:
+            workers.shutdown()
+            raise
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -235,6 +248,12 @@ class LLMEngine:
             self.output_processor.finish_aborted(seq)
         self.scheduler.abort(request.seqs)
         return request
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers, if any (the engine is unusable afterwards)."""
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
+            self.tp_workers = None
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

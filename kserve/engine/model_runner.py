@@ -1,14 +1,16 @@
 """Owns the model and its paged latent KV cache; runs one scheduled step.
 
 The cache is one tensor `[num_layers, num_blocks, block_size, kv_cache_dim]` in the model dtype.
-A step's sequences are flattened into one `ForwardBatch` (see kserve/model/forward_batch.py); the
-model writes each new token's latent into its slot and attends over the sequence's block table.
-Only the rows whose chunk ends at the sequence's last token go through the LM head.
+A step's sequences are flattened into `StepInputs` (plain lists, cheap to send to tensor-parallel
+workers) and then into one `ForwardBatch` (see kserve/model/forward_batch.py); the model writes each
+new token's latent into its slot and attends over the sequence's block table. Only the rows whose
+chunk ends at the sequence's last token go through the LM head.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -17,9 +19,7 @@ from kserve.engine.scheduler import ScheduledSeq
 from kserve.model.forward_batch import ForwardBatch
 
 
-def num_kv_blocks_for(
-    config: EngineConfig, bytes_per_token: int, device: torch.device
-) -> int:
+def num_kv_blocks_for(config: EngineConfig, bytes_per_token: int, device: torch.device) -> int:
     """How many cache blocks fit in the memory the config allows."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
@@ -32,6 +32,25 @@ def num_kv_blocks_for(
     return max(1, budget // bytes_per_block)
 
 
+@dataclass
+class StepInputs:
+    """One step, host side: what every tensor-parallel rank needs to run the same forward."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    block_tables: list[list[int]]  # padded with -1
+    query_lens: list[int]
+    context_lens: list[int]
+    sample_rows: list[int]  # rows of the flat batch whose logits are sampled
+
+
+class StepBroadcaster(Protocol):
+    """Sends each step to the other tensor-parallel ranks (see tp_workers.py)."""
+
+    def broadcast(self, inputs: StepInputs) -> None: ...
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -41,11 +60,13 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        peers: StepBroadcaster | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
+        self.peers = peers
         self.kv_cache = torch.zeros(
             model_config.num_hidden_layers,
             num_blocks,
@@ -55,10 +76,10 @@ class ModelRunner:
             device=device,
         )
         # A CUDA-graph decode path would go here: capture `self.model` for padded decode batch
-        # sizes with static input buffers, and replay it from `run` when batch.is_decode_only.
+        # sizes with static input buffers, and replay it from `execute` when every query_len is 1.
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
-        """Flatten a step into input ids, a ForwardBatch, and the rows to sample from."""
+    def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
+        """Flatten a step's scheduled sequences into StepInputs."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -89,25 +110,31 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
         max_blocks = max(len(item.seq.block_table) for item in scheduled)
         tables = [item.seq.block_table + [-1] * (max_blocks - len(item.seq.block_table)) for item in scheduled]
-        dev = self.device
-        batch = ForwardBatch(
-            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-            block_tables=torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_lens=query_lens,
-            context_lens_host=context_lens,
-            block_size=bs,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
-        return ids, batch, sample_rows
+        return StepInputs(input_ids, positions, slots, tables, query_lens, context_lens, sample_rows)
 
-    @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step; return float32 logits for the sampling rows, in scheduled order."""
-        input_ids, batch, sample_rows = self.prepare(scheduled)
+        inputs = self.prepare(scheduled)
+        if self.peers is not None:
+            self.peers.broadcast(inputs)
+        return self.execute(inputs)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward for StepInputs; every tensor-parallel rank runs exactly this."""
+        dev = self.device
+        batch = ForwardBatch(
+            positions=torch.tensor(inputs.positions, dtype=torch.long).to(dev, non_blocking=True),
+            slot_mapping=torch.tensor(inputs.slots, dtype=torch.long).to(dev, non_blocking=True),
+            block_tables=torch.tensor(inputs.block_tables, dtype=torch.int32).to(dev, non_blocking=True),
+            context_lens=torch.tensor(inputs.context_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            query_lens=inputs.query_lens,
+            context_lens_host=inputs.context_lens,
+            block_size=self.block_size,
+        )
+        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long).to(dev, non_blocking=True)
         hidden = self.model(input_ids, batch, self.kv_cache)
-        if not sample_rows:
-            return torch.empty(0, 0, device=self.device)
-        rows = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        if not inputs.sample_rows:
+            return torch.empty(0, 0, device=dev)
+        rows = torch.tensor(inputs.sample_rows, dtype=torch.long).to(dev, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
