@@ -94,6 +94,7 @@ def main() -> None:
     totals: dict[str, float] = defaultdict(float)
     timed(engine.scheduler, "schedule", totals)
     timed(engine.runner, "prepare", totals)
+    timed(engine.runner, "execute", totals)
     timed(engine.sampler, "sample", totals)
     timed(engine.output_processor, "append_token", totals)
     for _ in range(5):
@@ -117,7 +118,8 @@ def main() -> None:
           f"{per_step_ms:.2f} ms/step (target < 2 ms)")
     print(f"  + streaming snapshots (RequestOutput per request, async engine only): "
           f"{1e3 * snapshot_s / args.steps:.2f} ms/step")
-    for name, label in [("schedule", "scheduler"), ("prepare", "ForwardBatch building"),
+    for name, label in [("schedule", "scheduler"), ("prepare", "step inputs (host lists)"),
+                        ("execute", "ForwardBatch tensors + stub"),
                         ("sample", "sampler"), ("append_token", "detokenizer + stop checks")]:
         print(f"  {label:28s} {1e3 * totals[name] / args.steps:7.3f} ms/step")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kserve.config import EngineConfig, ModelConfig
@@ -126,7 +127,8 @@ class ModelRunner:
         batch = ForwardBatch(
             positions=torch.tensor(inputs.positions, dtype=torch.long).to(dev, non_blocking=True),
             slot_mapping=torch.tensor(inputs.slots, dtype=torch.long).to(dev, non_blocking=True),
-            block_tables=torch.tensor(inputs.block_tables, dtype=torch.int32).to(dev, non_blocking=True),
+            # numpy builds a 2-D int array from nested lists several times faster than torch.tensor
+            block_tables=torch.from_numpy(np.array(inputs.block_tables, dtype=np.int32)).to(dev, non_blocking=True),
             context_lens=torch.tensor(inputs.context_lens, dtype=torch.int32).to(dev, non_blocking=True),
             query_lens=inputs.query_lens,
             context_lens_host=inputs.context_lens,
