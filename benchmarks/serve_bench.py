@@ -164,6 +164,10 @@ def summarize(concurrency: int, results: list[RequestResult], duration: float) -
     )
 
 
+def _median_run(runs: list[LevelReport]) -> LevelReport:
+    return sorted(runs, key=lambda r: r.output_token_throughput)[len(runs) // 2]
+
+
 def plot(reports: list[LevelReport], path: str) -> None:
     import matplotlib
 
@@ -286,12 +290,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         if engine is not None:
             await run_engine_level(engine, [encode(p) for p in prompts[:2]], 4, 2, float("inf"))
         for conc in levels:
-            results, duration = await run_http_level(client, model, prompts, args.output_len, conc, args.request_rate)
-            report = summarize(conc, results, duration)
-            if engine is not None:
-                base, base_duration = await run_engine_level(engine, [encode(p) for p in prompts], args.output_len,
-                                                             conc, args.request_rate)
-                baseline = summarize(conc, base, base_duration)
+            # Server and baseline runs alternate; the report keeps the median-throughput run of each, so a
+            # burst of load from elsewhere on the machine skews one repeat, not the ratio.
+            runs: list[LevelReport] = []
+            base_runs: list[LevelReport] = []
+            for _ in range(args.repeats):
+                results, duration = await run_http_level(client, model, prompts, args.output_len, conc,
+                                                         args.request_rate)
+                runs.append(summarize(conc, results, duration))
+                if engine is not None:
+                    base, base_duration = await run_engine_level(engine, [encode(p) for p in prompts],
+                                                                 args.output_len, conc, args.request_rate)
+                    base_runs.append(summarize(conc, base, base_duration))
+            report = _median_run(runs)
+            if base_runs:
+                baseline = _median_run(base_runs)
                 report.baseline_output_token_throughput = baseline.output_token_throughput
                 report.server_vs_engine_ratio = report.output_token_throughput / baseline.output_token_throughput
             reports.append(report)
@@ -329,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=32, help="generated tokens per request (ignore_eos)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-baseline", action="store_true", help="skip the direct-engine baseline")
+    p.add_argument("--repeats", type=int, default=3, help="alternating server/baseline runs per level (median)")
     p.add_argument("--server-mode", choices=["subprocess", "thread"], default="subprocess",
                    help="without --base-url: run `kserve serve` in a subprocess, or in a thread of this process")
     p.add_argument("--out-json", default=None)
