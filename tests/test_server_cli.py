@@ -63,3 +63,26 @@ def test_kserve_serve_embedded_tiny_model(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_serve_flags_reach_the_settings(monkeypatch):
+    from kserve.cli import build_parser
+    from kserve.server.launch import settings_from_args
+
+    monkeypatch.setenv("KSERVE_API_KEY", "env-key")
+    args = build_parser().parse_args([
+        "serve", "/models/k2", "--host", "0.0.0.0", "--port", "9001", "--served-model-name", "k2",
+        "--max-model-len", "4096", "--chat-template", "t.jinja", "--guided-decoding", "off", "--tool-grammar", "off",
+        "--skip-self-check", "--enable-reasoning", "--legacy-prompt-encoding", "--max-request-bytes", "1000",
+        "--max-concurrent-requests", "7", "--no-prefix-caching", "--block-size", "32", "--tp", "2",
+    ])
+    s = settings_from_args(args)
+    assert (s.host, s.port, s.served_model_name, s.chat_template) == ("0.0.0.0", 9001, "k2", "t.jinja")
+    assert s.api_key == "env-key"  # no --api-key: the environment's
+    assert (s.guided_decoding, s.tool_grammar, s.skip_self_check) == (False, False, True)
+    assert (s.enable_reasoning, s.legacy_prompt_encoding) == (True, True)
+    assert (s.max_request_bytes, s.max_concurrent_requests) == (1000, 7)
+    e = s.engine
+    assert (e.model, e.max_model_len, e.enable_prefix_caching, e.block_size, e.tensor_parallel_size) == \
+        ("/models/k2", 4096, False, 32, 2)
+    assert settings_from_args(build_parser().parse_args(["serve", "--api-key", "flag"])).api_key == "flag"
