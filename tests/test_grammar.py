@@ -171,3 +171,16 @@ def test_tiny_tokenizer_vocab_is_padded_to_the_model(tiny_k2_dir: Path):
     assert sorted(compiler.tokenizer_info.stop_token_ids) == sorted(tok.stop_token_ids)
     g = compiler.compile(GrammarSpec.tools([WEATHER], "required"))
     assert run(tok, g, SECTION_BEGIN + call_text("get_weather", 0, '{"city": "Rome"}') + SECTION_END) == (True, True)
+
+
+def test_length_bounded_strings_stay_strict_json(k2):
+    # xgrammar's own rule for maxLength strings admits raw control characters; ours must not.
+    tok, compiler = k2
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}}, "required": ["s"]}
+    for spec in (GrammarSpec.json_schema(schema),
+                 GrammarSpec.tools([{"type": "function", "function": {"name": "f", "parameters": schema}}], "required")):
+        g = compiler.compile(spec)
+        prefix = "" if spec.kind == "json_schema" else SECTION_BEGIN + CALL_BEGIN + "functions.f:0" + ARGUMENT_BEGIN
+        assert run(tok, g, prefix + '{"s":"a\x13b"}', stop=False)[0] is False
+        ok, _ = run(tok, g, prefix + '{"s": "ab"}', stop=False)
+        assert ok

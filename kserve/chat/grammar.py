@@ -31,8 +31,14 @@ if TYPE_CHECKING:  # pragma: no cover
 TOOL_MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END)
 
 # Bounds that keep a random or confused model from looping forever inside a call header or JSON.
+# One whitespace character per gap admits both compact JSON and K2's own `{"city": "Beijing"}`.
 MAX_CALL_INDEX_DIGITS = 3
-MAX_JSON_WHITESPACE = 2
+MAX_JSON_WHITESPACE = 1
+
+# xgrammar writes length-bounded strings (minLength/maxLength) with this character class, which
+# admits raw control characters that strict JSON parsers reject; we narrow it to legal characters.
+_LOOSE_STRING_CHARS = r'[^\"\\\r\n]'
+_STRICT_STRING_CHARS = r'[^\0-\x1f\"\\]'
 
 
 class GrammarError(ValueError):
@@ -165,12 +171,9 @@ class GrammarCompiler:
 
     def _compile(self, spec: GrammarSpec) -> Any:
         if spec.kind == "json_object":
-            return self._compiler.compile_json_schema(
-                {"type": "object"}, any_whitespace=False, separators=(",", ":"), strict_mode=False
-            )
+            return self._compiler.compile_grammar(json_value_ebnf({"type": "object"}))
         if spec.kind == "json_schema":
-            schema = json.loads(spec.payload)
-            return self._compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"), strict_mode=False)
+            return self._compiler.compile_grammar(json_value_ebnf(json.loads(spec.payload)))
         return self._compiler.compile_structural_tag(self._tool_call_tag(spec))
 
     def _tool_call_tag(self, spec: GrammarSpec) -> Any:
@@ -188,9 +191,7 @@ class GrammarCompiler:
                     st.ConstStringFormat(value=f"functions.{fn['name']}:"),
                     st.RegexFormat(pattern=rf"[0-9]{{1,{MAX_CALL_INDEX_DIGITS}}}"),
                     st.TokenFormat(token=ids[ARGUMENT_BEGIN]),
-                    st.JSONSchemaFormat(
-                        json_schema=fn["parameters"], max_whitespace_cnt=MAX_JSON_WHITESPACE
-                    ),
+                    st.GrammarFormat(grammar=json_value_ebnf(fn["parameters"])),
                     st.TokenFormat(token=ids[CALL_END]),
                 ]
             )
@@ -216,6 +217,16 @@ class GrammarCompiler:
                 exclude_tokens=[ids[m] for m in TOOL_MARKERS if m != SECTION_BEGIN],
             )
         return st.StructuralTag(format=fmt)
+
+
+def json_value_ebnf(schema: dict[str, Any] | bool) -> str:
+    """EBNF for one JSON value matching `schema`, with bounded whitespace and strict strings."""
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(
+        schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=False
+    )
+    return str(grammar).replace(_LOOSE_STRING_CHARS, _STRICT_STRING_CHARS)
 
 
 def build_tokenizer_info(tokenizer: Any, model_vocab_size: int) -> Any:
