@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_engine_toy import TOY_VOCAB, CharTokenizer, make_toy_engine, run_to_completion
 
 from kserve.engine.sampling_params import SamplingParams
-from test_engine_toy import TOY_VOCAB, CharTokenizer, make_toy_engine, run_to_completion
 
 
 def prompts(count: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from test_engine_toy import CharTokenizer, make_toy_engine
 
 from kserve import LLM, SamplingParams
-from test_engine_toy import CharTokenizer, make_toy_engine
 
 
 def toy_llm(**knobs) -> LLM:
