@@ -185,3 +185,13 @@ def test_typical_processor_matches_definition() -> None:
             break
     assert set(torch.isfinite(out).nonzero().flatten().tolist()) == kept
     assert 1 < len(kept) < 40
+
+
+def test_seeded_noise_is_strictly_positive_so_masked_tokens_never_win():
+    # Noise 0 would make a masked token's probability 0 / 0 = NaN, which argmax picks.
+    from kserve.engine.sampler import seeded_exponential
+
+    # 32 x 2**20 draws: with 24-bit uniforms about two of them used to round to u = 1.0.
+    seeds = torch.arange(32, dtype=torch.int64) * 7919
+    noise = seeded_exponential(seeds, torch.arange(32, dtype=torch.int64), 1 << 20)
+    assert bool((noise > 0).all()) and bool(torch.isfinite(noise).all())

@@ -49,8 +49,10 @@ def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int)
     dev = seeds.device
     row = _mix32(_mix32(seeds & _M32) ^ _mix32((seeds >> 32) & _M32) ^ (positions & _M32))
     col = _mix32(torch.arange(vocab, device=dev, dtype=torch.int64) + 0x9E3779B9)
-    bits = _mix32(row.unsqueeze(1) ^ col.unsqueeze(0)) >> 8  # 24 uniform bits
-    u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 bits keep u strictly below 1 in float32 (with 24, u rounds up to 1.0, the noise to 0, and a
+    # masked token's 0/0 = NaN wins the argmax).
+    bits = _mix32(row.unsqueeze(1) ^ col.unsqueeze(0)) >> 9
+    u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(u)
 
 
