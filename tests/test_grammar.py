@@ -88,6 +88,9 @@ def test_auto_leaves_text_free_and_binds_sections(k2):
     assert run(tok, g, "Just text, {not json} <b>ok</b>") == (True, True)
     good = "Let me check. " + SECTION_BEGIN + call_text("get_weather", 0, '{"city": "Oslo"}') + SECTION_END
     assert run(tok, g, good) == (True, True)
+    # The turn ends with the section: no second section, no text after it.
+    assert run(tok, g, good + SECTION_BEGIN + call_text("get_weather", 1, '{"city": "Rome"}') + SECTION_END)[0] is False
+    assert run(tok, g, good + "more")[0] is False
     assert run(tok, g, "x" + SECTION_BEGIN + call_text("nope", 0, "{}") + SECTION_END)[0] is False
     # A call marker outside a section, or a section that never closes, is not allowed.
     assert run(tok, g, call_text("get_weather", 0, '{"city": "Oslo"}'))[0] is False
@@ -174,8 +177,9 @@ def test_tiny_tokenizer_vocab_is_padded_to_the_model(tiny_k2_dir: Path):
 
 
 def test_length_bounded_strings_stay_strict_json(k2):
-    # xgrammar's own rule for maxLength strings admits raw control characters; ours must not.
+    # xgrammar's own string rules admit raw control characters (maxLength) and surrogates; ours must not.
     tok, compiler = k2
+    byte_ids = {tok.token_bytes(i)[0]: i for i in range(tok.base_vocab_size) if len(tok.token_bytes(i)) == 1}
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}}, "required": ["s"]}
     for spec in (GrammarSpec.json_schema(schema),
                  GrammarSpec.tools([{"type": "function", "function": {"name": "f", "parameters": schema}}], "required")):
@@ -184,3 +188,7 @@ def test_length_bounded_strings_stay_strict_json(k2):
         assert run(tok, g, prefix + '{"s":"a\x13b"}', stop=False)[0] is False
         ok, _ = run(tok, g, prefix + '{"s": "ab"}', stop=False)
         assert ok
+        # A UTF-16 surrogate spelled in UTF-8 bytes (ED A0 80) is no character either.
+        m = g.make_constraint()
+        assert all(m.accept_token(t) for t in tok.encode(prefix + '{"s":"'))
+        assert not all(m.accept_token(byte_ids[b]) for b in (0xED, 0xA0, 0x80))

@@ -35,10 +35,11 @@ TOOL_MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END
 MAX_CALL_INDEX_DIGITS = 3
 MAX_JSON_WHITESPACE = 1
 
-# xgrammar writes length-bounded strings (minLength/maxLength) with this character class, which
-# admits raw control characters that strict JSON parsers reject; we narrow it to legal characters.
-_LOOSE_STRING_CHARS = r'[^\"\\\r\n]'
-_STRICT_STRING_CHARS = r'[^\0-\x1f\"\\]'
+# The character classes xgrammar writes for JSON strings: unbounded, and length-bounded (minLength /
+# maxLength). The bounded one admits raw control characters, and both admit UTF-16 surrogates, which
+# are invalid in UTF-8: strict JSON parsers reject either. We narrow both to legal characters.
+_XGRAMMAR_STRING_CHARS = (r'[^\0-\x1f\"\\\r\n]', r'[^\"\\\r\n]')
+_STRICT_STRING_CHARS = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
 
 
 class GrammarError(ValueError):
@@ -54,7 +55,8 @@ class GrammarSpec:
       - "json_object": output is any JSON object.
       - "tools": output follows K2's tool-call format for the tools in payload, with `mode`
         "required" (one section of one or more calls, nothing else), "forced" (one call to the one
-        tool in payload) or "auto" (free text; once a section opens, names and arguments are bound).
+        tool in payload) or "auto" (free text; once a section opens, names and arguments are bound,
+        and the turn ends with the section).
     """
 
     kind: Literal["json_schema", "json_object", "tools"]
@@ -211,10 +213,12 @@ class GrammarCompiler:
                 content=body,
                 end=st.TokenFormat(token=ids[SECTION_END]),
             )
+            # K2 ends its turn after the tool-call section: one section, then only a stop token.
             fmt = st.TokenTriggeredTagsFormat(
                 trigger_tokens=[ids[SECTION_BEGIN]],
                 tags=[section],
                 exclude_tokens=[ids[m] for m in TOOL_MARKERS if m != SECTION_BEGIN],
+                stop_after_first=True,
             )
         return st.StructuralTag(format=fmt)
 
@@ -226,7 +230,10 @@ def json_value_ebnf(schema: dict[str, Any] | bool) -> str:
     grammar = xgr.Grammar.from_json_schema(
         schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=False
     )
-    return str(grammar).replace(_LOOSE_STRING_CHARS, _STRICT_STRING_CHARS)
+    ebnf = str(grammar)
+    for loose in _XGRAMMAR_STRING_CHARS:
+        ebnf = ebnf.replace(loose, _STRICT_STRING_CHARS)
+    return ebnf
 
 
 def build_tokenizer_info(tokenizer: Any, model_vocab_size: int) -> Any:

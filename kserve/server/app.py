@@ -221,7 +221,7 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None) -> F
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                ctx: ServingContext = Depends(context)) -> Any:
         # FastAPI validated `body` against the protocol model; the raw JSON keeps what the model ignores.
-        prep = prepare_chat(ctx, body, await request.json())
+        prep = await prepare_chat(ctx, body, await request.json())
         with ctx.admitted() as admission:
             if prep.req.stream:
                 return ClosingStreamingResponse(stream_chat(ctx, prep), admission.hand_off())
@@ -242,19 +242,24 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None) -> F
 async def load_serving_context(settings: ServerSettings, metrics: ServerMetrics) -> ServingContext:
     """Build the engine (in a worker thread: loading weights blocks) and the chat template."""
     from kserve.chat import ChatTemplate
+    from kserve.chat.grammar import GrammarCompiler
     from kserve.engine.async_engine import AsyncLLMEngine
-    from kserve.server.self_check import run_self_check
+    from kserve.server.self_check import run_live_self_check, run_self_check
 
     engine = await asyncio.to_thread(AsyncLLMEngine.from_config, settings.engine)
     await engine.start()
     try:
         template = await asyncio.to_thread(ChatTemplate.load, engine.model_dir, settings.chat_template)
         name = settings.served_model_name or Path(engine.model_dir).name
+        grammar = None
+        if settings.guided_decoding:
+            grammar = await asyncio.to_thread(GrammarCompiler, engine.tokenizer, engine.model_config.vocab_size)
         ctx = ServingContext(engine=engine, tokenizer=engine.tokenizer, template=template, model_name=name,
                              max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
-                             settings=settings, metrics=metrics)
+                             settings=settings, metrics=metrics, grammar=grammar)
         if not settings.skip_self_check:
             run_self_check(ctx)
+            await run_live_self_check(ctx)
     except BaseException:
         await engine.shutdown()  # not serving: stop the engine's step thread
         raise

@@ -50,6 +50,7 @@ class ServingContext:
     vocab_size: int
     settings: ServerSettings
     metrics: ServerMetrics
+    grammar: Any = None  # kserve.chat.grammar.GrammarCompiler; None under --guided-decoding off
     in_flight: int = 0
 
     @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""Startup check that the chat template, tokenizer and tool parser agree on K2's tool-call format.
+"""Startup checks: the chat template, tokenizer and tool parser agree on K2's tool-call format, and one
+constrained request goes through the whole stack.
 
 A parser that does not match the model's format fails quietly (control tokens in `content`, empty
 `tool_calls`), so a mismatch refuses to serve instead; `--skip-self-check` turns this off.
@@ -46,3 +47,56 @@ def run_self_check(ctx: ServingContext) -> None:
         raise SelfCheckError(f"tool parser read {got} from the template's own tool-call turn {generated!r}; "
                              f"expected {want}")
     logger.info("self-check passed: template %s, tokenizer and tool parser agree", template.origin)
+
+
+_LIVE_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["unit"], "additionalProperties": False}}}]
+_LIVE_REQUEST = {"model": "", "messages": [_USER], "tools": _LIVE_TOOLS, "tool_choice": "required",
+                 "parallel_tool_calls": False, "temperature": 0, "max_tokens": 64}
+
+
+async def run_live_self_check(ctx: ServingContext) -> None:
+    """One internal tool_choice=required request through template, tokenizer, grammar, engine and parser.
+
+    It must come back as one parsed call to the declared tool with schema-valid arguments; otherwise the
+    server refuses to start and names the stage that failed. Skipped under --guided-decoding off, where
+    nothing forces a model (the tiny random one in particular) to call a tool.
+    """
+    import jsonschema
+
+    from kserve.server.protocol import ChatCompletionRequest
+    from kserve.server.serving_chat import prepare_chat
+
+    if ctx.grammar is None:
+        logger.info("live self-check skipped: guided decoding is off")
+        return
+    raw = dict(_LIVE_REQUEST, model=ctx.model_name)
+    try:
+        prep = await prepare_chat(ctx, ChatCompletionRequest.model_validate(raw), raw)
+    except Exception as exc:
+        raise SelfCheckError(f"self-check failed at the template/tokenizer/grammar stage: {exc}") from exc
+    if prep.params.guided is None:
+        raise SelfCheckError("self-check failed at the grammar stage: tool_choice=required was not constrained")
+    final = None
+    try:
+        async for out in ctx.engine.generate(f"self-check-{prep.request_id}", prep.prompt_ids, prep.params):
+            final = out
+    except Exception as exc:
+        raise SelfCheckError(f"self-check failed at the engine stage: {exc}") from exc
+    if final is None or not final.finished or final.outputs[0].finish_reason != "stop":
+        reason = None if final is None else final.outputs[0].finish_reason
+        raise SelfCheckError(f"self-check failed at the engine stage: generation ended with {reason!r}, "
+                             "not a stop token after the grammar completed")
+    text = final.outputs[0].text
+    parsed = parse_tool_output(text, _LIVE_TOOLS)
+    schema = _LIVE_TOOLS[0]["function"]["parameters"]
+    try:
+        (call,) = parsed.calls
+        if call.name != "get_weather" or not call.valid_json:
+            raise ValueError(f"parsed {call.name!r} with arguments {call.arguments!r}")
+        jsonschema.validate(json.loads(call.arguments), schema)
+    except (ValueError, jsonschema.ValidationError) as exc:
+        raise SelfCheckError(f"self-check failed at the parser stage: {exc}; model output {text!r}") from exc
+    logger.info("live self-check passed: %s(%s)", call.name, call.arguments)

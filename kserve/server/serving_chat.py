@@ -21,7 +21,7 @@ from kserve.chat import (
 from kserve.chat import ToolCall as ParsedToolCall
 from kserve.server.context import DisconnectWatch, ServingContext, new_request_id
 from kserve.server.errors import APIError, bad_request
-from kserve.server.guided import guided_decoding_request
+from kserve.server.guided import compile_grammar, grammar_spec
 from kserve.server.logprobs import chat_logprobs
 from kserve.server.protocol import (
     UNSUPPORTED_CHAT_FIELDS,
@@ -71,7 +71,7 @@ class PreparedChat:
         return calls if self.max_calls is None else calls[: self.max_calls]
 
 
-def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, Any]) -> PreparedChat:
+async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, Any]) -> PreparedChat:
     """Everything checked and encoded before generation; `raw` is the body as sent (for fields the model drops)."""
     reject_unsupported(raw, UNSUPPORTED_CHAT_FIELDS)
     ctx.check_model(req.model)
@@ -87,10 +87,11 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str,
         raise bad_request(f"could not render the conversation with the chat template: {exc}", "messages") from None
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = fit_max_tokens(len(prompt_ids), requested, ctx.max_model_len)
-    guided = guided_decoding_request(
+    spec = grammar_spec(
         req.response_format, tools, tool_choice, req.parallel_tool_calls,
         guided_decoding=ctx.settings.guided_decoding, tool_grammar=ctx.settings.tool_grammar,
     )
+    guided = await compile_grammar(ctx.grammar, spec)
     top_logprobs = req.top_logprobs or 0
     params = build_sampling_params(
         req, max_tokens=max_tokens, stop=normalize_stop(req.stop),
@@ -140,9 +141,10 @@ def _tool_call_out(call: ParsedToolCall) -> ToolCall:
 
 
 def _finish_reason(engine_reason: str | None, has_calls: bool) -> str:
-    if has_calls:
-        return "tool_calls"
-    return "length" if engine_reason == "length" else "stop"
+    # A reply cut by max_tokens says so even if a call had begun: its arguments may be incomplete.
+    if engine_reason == "length":
+        return "length"
+    return "tool_calls" if has_calls else "stop"
 
 
 def _usage(prompt_ids: list[int], outputs: list[Any], cached: int) -> UsageInfo:
