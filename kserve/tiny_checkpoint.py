@@ -19,6 +19,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from kserve.chat.tokenizer import K2_PAT_STR
+
 BASE_VOCAB = 1792  # tokens in tiktoken.model
 NUM_SPECIAL = 256  # K2 reserves 256 ids after the base vocabulary
 K2_FIRST_SPECIAL = 163584
@@ -43,20 +45,6 @@ K2_NAMED_SPECIAL_TOKENS: tuple[tuple[int, str, bool], ...] = (
     (163601, "<|im_middle|>", True),
     (163838, "[UNK]", True),
     (163839, "[PAD]", True),
-)
-
-# K2's pre-tokenizer (tokenization_kimi.py); needs the `regex` module in V1 mode for `&&`.
-K2_PAT_STR = "|".join(
-    [
-        r"""[\p{Han}]+""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""\p{N}{1,3}""",
-        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-        r"""\s*[\r\n]+""",
-        r"""\s+(?!\S)""",
-        r"""\s+""",
-    ]
 )
 
 TRAINING_CORPUS = r'''
