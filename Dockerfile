@@ -1,21 +1,26 @@
-# GPU image: CUDA runtime + kserve with its GPU extras (Triton, flash-attn).
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# GPU image: CUDA + kserve with its GPU extras (Triton, flash-attn).
+# The devel image carries nvcc, which flash-attn needs when no prebuilt wheel matches.
+FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
 
-ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 MAX_JOBS=8
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-pip python3-venv git \
+ && apt-get install -y --no-install-recommends python3 python3-pip python3-venv python3-dev git \
  && rm -rf /var/lib/apt/lists/*
 
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
+
+# flash-attn builds against the installed torch, so torch and the build tools come first and the
+# package is installed without build isolation.
+RUN pip install --upgrade pip setuptools wheel packaging ninja \
+ && pip install "torch>=2.6" --index-url https://download.pytorch.org/whl/cu128
 
 WORKDIR /opt/kserve
 COPY pyproject.toml README.md ./
 COPY kserve ./kserve
 COPY kernels ./kernels
 COPY configs ./configs
-RUN pip install "torch>=2.6" --index-url https://download.pytorch.org/whl/cu128 \
- && pip install ".[gpu]" --no-build-isolation
+RUN pip install --no-build-isolation ".[gpu]"
 
 EXPOSE 8000
 # Mount the model at /model (config.json, *.safetensors, tiktoken.model, tokenizer_config.json).

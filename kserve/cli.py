@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "render":
         from kserve.chat.render_cli import run_render
 
+        if args.model_dir is None:
+            from kserve.tiny_checkpoint import ensure_embedded_model
+
+            args.model_dir = str(ensure_embedded_model())
+
         return run_render(args, stdin=sys.stdin, stdout=sys.stdout)
     parser.error(f"unknown command {args.command}")
     return 2

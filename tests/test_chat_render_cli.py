@@ -69,3 +69,16 @@ def test_bad_request_is_a_clear_error(model_dir, capsys):
     assert rc == 2 and out == "" and "not valid JSON" in capsys.readouterr().err
     rc, out = _run(model_dir, request={"messages": "nope"})
     assert rc == 2 and "messages" in capsys.readouterr().err
+
+
+def test_kserve_render_without_model_dir_uses_the_embedded_model():
+    import subprocess
+    import sys
+
+    request = {"messages": [{"role": "user", "content": "hi"}]}
+    done = subprocess.run([sys.executable, "-m", "kserve.cli", "render", "--ids"], input=json.dumps(request),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    prompt, ids = done.stdout.rstrip("\n").rsplit("\n", 1)
+    assert prompt.endswith("<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    assert len(json.loads(ids)) > 5

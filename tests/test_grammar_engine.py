@@ -9,7 +9,8 @@ import pytest
 
 from kserve import LLM, SamplingParams
 from kserve.chat import parse_tool_output
-from kserve.chat.grammar import TOOL_MARKERS, GrammarCompiler, GrammarSpec
+from kserve.chat.grammar import GrammarCompiler, GrammarSpec
+from kserve.chat.markers import TOOL_MARKER_TOKENS as TOOL_MARKERS
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {

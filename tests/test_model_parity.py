@@ -45,8 +45,10 @@ def test_prefill_parity(variant, request):
     assert err <= 1e-4
 
 
-def test_decode_parity_32_steps(k2):
-    model, hf = k2
+@pytest.mark.parametrize("variant", ["k2", "v3"])
+def test_decode_parity_32_steps(variant, request):
+    model_dir = request.getfixturevalue(f"tiny_{variant}_dir")
+    model, hf = load_model(model_dir), build_hf_reference(model_dir)
     ids = prompt(20, seed=2)
     cache = empty_cache(model)
     logits = model.compute_logits(model(ids, ForwardBatch.contiguous([20], [20], BLOCK), cache))[-1]
@@ -67,7 +69,7 @@ def test_decode_parity_32_steps(k2):
         logits = model.compute_logits(model(torch.tensor([tok]), batch, cache))[0]
         with torch.no_grad():
             ref = hf(torch.tensor([[ref_tok]]), cache=hf_cache, use_cache=True).logits[0, -1]
-    print(f"decode max rel err over 32 steps {worst:.3e}; tokens {ours_tokens}")
+    print(f"{variant} decode max rel err over 32 steps {worst:.3e}; tokens {ours_tokens}")
     assert ours_tokens == ref_tokens
     assert len(set(ours_tokens)) > 1  # not a degenerate constant stream
     assert worst <= 1e-4

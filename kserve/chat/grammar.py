@@ -22,13 +22,17 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from kserve.chat.markers import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
+from kserve.chat.markers import (
+    ARGUMENT_BEGIN,
+    CALL_BEGIN,
+    CALL_END,
+    SECTION_BEGIN,
+    SECTION_END,
+    TOOL_MARKER_TOKENS,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-# The five markers K2's tokenizer defines as single tokens (the singular aliases are not tokens).
-TOOL_MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END)
 
 # Bounds that keep a random or confused model from looping forever inside a call header or JSON.
 # One whitespace character per gap admits both compact JSON and K2's own `{"city": "Beijing"}`.
@@ -142,7 +146,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, model_vocab_size: int, cache_size: int = 256) -> None:
         import xgrammar as xgr
 
-        self._special = {name: tokenizer.special_ids[name] for name in TOOL_MARKERS}
+        self._special = {name: tokenizer.special_ids[name] for name in TOOL_MARKER_TOKENS}
         self.tokenizer_info = build_tokenizer_info(tokenizer, model_vocab_size)
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2)
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
@@ -217,7 +221,7 @@ class GrammarCompiler:
             fmt = st.TokenTriggeredTagsFormat(
                 trigger_tokens=[ids[SECTION_BEGIN]],
                 tags=[section],
-                exclude_tokens=[ids[m] for m in TOOL_MARKERS if m != SECTION_BEGIN],
+                exclude_tokens=[ids[m] for m in TOOL_MARKER_TOKENS if m != SECTION_BEGIN],
                 stop_after_first=True,
             )
         return st.StructuralTag(format=fmt)
@@ -241,7 +245,7 @@ def build_tokenizer_info(tokenizer: Any, model_vocab_size: int) -> Any:
     import xgrammar as xgr
 
     stop_ids = list(tokenizer.stop_token_ids)
-    markers = {tokenizer.special_ids[name]: name for name in TOOL_MARKERS}
+    markers = {tokenizer.special_ids[name]: name for name in TOOL_MARKER_TOKENS}
     vocab: list[bytes] = []
     for token_id in range(tokenizer.vocab_size):
         if token_id in markers:

@@ -17,7 +17,9 @@ CALL_BEGIN = "<|tool_call_begin|>"
 ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
 CALL_END = "<|tool_call_end|>"
 
-TOOL_MARKERS = (SECTION_BEGIN, SECTION_END, SECTION_BEGIN_ALIAS, SECTION_END_ALIAS, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END)
+# The five markers K2's tokenizer defines as single tokens; the parser also accepts the aliases as text.
+TOOL_MARKER_TOKENS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END)
+TOOL_MARKERS = TOOL_MARKER_TOKENS + (SECTION_BEGIN_ALIAS, SECTION_END_ALIAS)
 
 THINK_BEGIN = "<think>"
 THINK_END = "</think>"

@@ -21,11 +21,7 @@ def run_render(args, stdin: TextIO, stdout: TextIO) -> int:
     if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
         print("error: request must be a JSON object with a 'messages' list", file=sys.stderr)
         return 2
-    model_dir = getattr(args, "model_dir", None)
-    if model_dir is None:
-        from kserve.tiny_checkpoint import ensure_embedded_model
-
-        model_dir = ensure_embedded_model()
+    model_dir = args.model_dir  # the cli fills in the embedded model's directory
     template = ChatTemplate.load(model_dir, getattr(args, "chat_template", None))
     messages = normalize_tool_call_ids(request["messages"])
     tools = request.get("tools") or None
