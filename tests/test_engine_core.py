@@ -174,3 +174,38 @@ def test_bad_requests_are_rejected_cleanly() -> None:
     engine.add_request("ok", [5] * 20, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
     out = run_to_completion(engine)["ok"].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 12
+
+
+def test_extreme_seeds_are_folded_and_reproducible() -> None:
+    # seed + i * stride used to overflow int64 in the sampler and fail every request in the step
+    engine = make_toy_engine()
+    p = prompts(1, seed=9)[0]
+    for rid, seed in (("max", 2**63 - 1), ("neg", -(2**63)), ("minus1", -1)):
+        engine.add_request(rid, p, SamplingParams(n=2, seed=seed, max_tokens=6, ignore_eos=True))
+    engine.add_request("plain", p, GREEDY)
+    outs = run_to_completion(engine)
+    for rid in ("max", "neg", "minus1", "plain"):
+        assert all(o.finish_reason == "length" for o in outs[rid].outputs), rid
+    again = make_toy_engine()
+    again.add_request("max", p, SamplingParams(n=2, seed=2**63 - 1, max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in run_to_completion(again)["max"].outputs] == [
+        o.token_ids for o in outs["max"].outputs
+    ]
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=1.5)
+
+
+def test_a_row_that_fails_to_sample_fails_only_its_request() -> None:
+    ps = prompts(3, seed=4)
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=5, ignore_eos=True, logit_bias={7: 0.5})
+    expected = generate(make_toy_engine(), ps[1:], [sampled, GREEDY])
+    engine = make_toy_engine()
+    broken = engine.add_request("broken", ps[0], SamplingParams(temperature=1.0, max_tokens=5))
+    broken.seqs[0].seed = 2**80  # no int64 holds it: the batched sampler call raises
+    engine.add_request("r0", ps[1], sampled)
+    engine.add_request("r1", ps[2], GREEDY)
+    outs = run_to_completion(engine)
+    assert broken.error is not None and broken.finished
+    # the neighbours were sampled row by row from untouched logits: the same tokens as without it
+    assert [outs["r0"].token_ids, outs["r1"].token_ids] == expected
+    assert engine.block_manager.num_used_blocks == 0

@@ -19,7 +19,7 @@ from kserve.engine.block_manager import BlockManager
 from kserve.engine.model_runner import ModelRunner, num_kv_blocks_for
 from kserve.engine.output_processor import OutputProcessor
 from kserve.engine.outputs import CompletionOutput, RequestOutput
-from kserve.engine.sampler import SEED_STRIDE, Sampler
+from kserve.engine.sampler import SEED_STRIDE, Sampler, SamplerOutput
 from kserve.engine.sampling_params import SamplingParams
 from kserve.engine.scheduler import Scheduler
 from kserve.engine.sequence import Sequence, SequenceStatus
@@ -112,6 +112,14 @@ def generation_eos_ids(model_dir: Path | None) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """Completion `index`'s seed, folded into [0, 2**63) so that any int64 seed (negative too) fits."""
+    return (seed + index * SEED_STRIDE) & _SEED_MASK
 
 
 class LLMEngine:
@@ -213,7 +221,7 @@ class LLMEngine:
         for index in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, index, prompt_token_ids, params, arrival)
             seq.seed = (
-                params.seed + index * SEED_STRIDE if params.seed is not None else self._seed_rng.getrandbits(63)
+                completion_seed(params.seed, index) if params.seed is not None else self._seed_rng.getrandbits(63)
             )
             if params.guided is not None:
                 seq.constraint = params.guided.make_constraint()
@@ -268,9 +276,9 @@ class LLMEngine:
         try:
             logits = self.runner.run(out.scheduled)
             self.scheduler.finish_step(out)
-            sampled = self.sampler.sample(logits, sampling) if sampling else None
         except Exception as exc:  # noqa: BLE001 -- a failing step fails its requests, never the engine
             return self.fail_requests({item.seq.request_id for item in out.scheduled}, exc)
+        sampled = self._sample(logits, sampling) if sampling else None
 
         changed: dict[str, Request] = {}
         if sampled is not None:
@@ -295,6 +303,27 @@ class LLMEngine:
             if request.finished:
                 self.requests.pop(request_id, None)
         return list(changed.values())
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """Sample the batch; if that raises, sample row by row so only the failing rows fail."""
+        try:
+            return self.sampler.sample(logits, seqs)
+        except Exception as exc:  # noqa: BLE001 -- isolated below, on this rare path only
+            if len(seqs) == 1:
+                return SamplerOutput([0], [None], {0: exc})
+        token_ids: list[int] = []
+        logprobs: list = []
+        errors: dict[int, Exception] = {}
+        for row, seq in enumerate(seqs):
+            try:
+                one = self.sampler.sample(logits[row : row + 1], [seq])
+            except Exception as exc:  # noqa: BLE001 -- fails only this row's request
+                one = SamplerOutput([0], [None], {0: exc})
+            token_ids.append(one.token_ids[0])
+            logprobs.append(one.logprobs[0])
+            if 0 in one.errors:
+                errors[row] = one.errors[0]
+        return SamplerOutput(token_ids, logprobs, errors)
 
     def _unblock(self) -> list[Request]:
         """Nothing could be scheduled: finish a waiting head that can never fit in the cache."""

@@ -66,7 +66,6 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        logits = logits.float()
         batch = logits.shape[0]
         rows: dict[Needs, list[int]] = {flag: [] for flag in Needs}
         constrained: list[int] = []
@@ -79,6 +78,11 @@ class Sampler:
                     rows[flag].append(i)
             if seq.constraint is not None:
                 constrained.append(i)
+
+        # Processing writes into the logits; work on a copy then, so that the caller can still
+        # sample rows one by one from the untouched logits if this batched call raises.
+        edits = any_needs & (Needs.PROCESSORS | Needs.LOGIT_BIAS | Needs.PENALTIES | Needs.MIN_TOKENS)
+        logits = logits.to(torch.float32, copy=bool(edits or constrained))
 
         lp_rows = rows[Needs.LOGPROBS]
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None

@@ -48,6 +48,8 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad(f"seed must be an integer, got {self.seed!r}")
         if self.n < 1:
             bad(f"n must be at least 1, got {self.n}")
         if self.temperature < 0:
