@@ -100,6 +100,18 @@ BAD_INPUTS = [
     ("unknown-model", CHAT, chat(model="gpt-9"), 404, "model", ["gpt-9", MODEL]),
     ("invalid-tool-schema", CHAT, chat(tools=[{"type": "function", "function": {
         "name": "f", "parameters": {"type": "strng"}}}]), 400, "tools[0].function.parameters", ["JSON schema"]),
+    ("tool-remote-ref", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "lookup", "parameters": {"$ref": "https://example.invalid/x.json"}}}]), 400,
+     "tools[0].function.parameters", ["lookup", "https://example.invalid/x.json"]),
+    ("tool-missing-local-ref", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "lookup", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}}}],
+        stream=True), 400, "tools[0].function.parameters", ["lookup", "#/definitions/missing"]),
+    ("response-format-remote-ref", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "https://example.invalid/x.json"}}}), 400,
+     "response_format.json_schema.schema", ["https://example.invalid/x.json"]),
+    ("response-format-missing-local-ref", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#/definitions/missing"}}}, stream=True), 400,
+     "response_format.json_schema.schema", ["#/definitions/missing"]),
     ("tool-bad-type", CHAT, chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), 400, "tools[0].type",
      ["function"]),
     ("tool-bad-name", CHAT, chat(tools=[{"type": "function", "function": {"name": "get weather!"}}]), 400,
@@ -149,6 +161,23 @@ def test_bad_input_gets_openai_error(http, case, path, body, status, param, word
         assert error["param"] == param, error
     for word in words:
         assert word.lower() in error["message"].lower(), error["message"]
+
+
+def test_unresolvable_ref_at_validation_time_is_a_counted_tool_problem():
+    """Backstop behind the request checks: a schema whose $ref cannot be followed is counted, not raised."""
+    from types import SimpleNamespace
+
+    from kserve.chat import ToolCall as ParsedToolCall
+    from kserve.server.metrics import ServerMetrics
+    from kserve.server.serving_chat import check_tool_calls
+
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"$ref": "#/definitions/missing"}}},
+             {"type": "function", "function": {"name": "fetch", "parameters": {"$ref": "https://example.invalid/x"}}}]
+    calls = [ParsedToolCall(id=f"functions.{name}:{i}", name=name, arguments='{"a": 1}', index=i, valid_json=True,
+                            known_tool=True) for i, name in enumerate(["lookup", "fetch"])]
+    ctx = SimpleNamespace(metrics=ServerMetrics())
+    check_tool_calls(ctx, "req-1", calls, True, tools)
+    assert ctx.metrics.tool_call_problems["schema_unresolvable"] == 2
 
 
 def test_context_overflow_message_says_by_how_much(http, server):

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 # Tool-call outcomes that signal format drift or an unconstrained model (see notes/vendor-verifier.md).
-TOOL_CALL_PROBLEMS = ("schema_invalid", "invalid_json", "undeclared_tool", "empty_tool_calls")
+TOOL_CALL_PROBLEMS = (
+    "schema_invalid", "schema_unresolvable", "invalid_json", "undeclared_tool", "empty_tool_calls",
+)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import jsonschema
+import referencing.exceptions
 
 from kserve.chat import (
     StreamingReasoningParser,
@@ -134,6 +135,10 @@ def check_tool_calls(ctx: ServingContext, request_id: str, calls: list[ParsedToo
             metrics.count_tool_problem("schema_invalid")
             logger.warning("request %s: call %s arguments fail %r's schema: %s", request_id, call.id, call.name,
                            exc.message)
+        except referencing.exceptions.Unresolvable as exc:  # request checks resolve refs; this is a backstop
+            metrics.count_tool_problem("schema_unresolvable")
+            logger.warning("request %s: call %s: %r's schema has an unresolvable $ref: %s", request_id, call.id,
+                           call.name, exc)
 
 
 def _tool_call_out(call: ParsedToolCall) -> ToolCall:

@@ -10,6 +10,9 @@ import re
 from typing import Any
 
 import jsonschema
+import referencing
+import referencing.exceptions
+import referencing.jsonschema
 
 from kserve.server.errors import APIError, bad_request
 from kserve.server.protocol import (
@@ -120,6 +123,46 @@ def tool_schema(tool: dict[str, Any]) -> dict[str, Any]:
     return params if params is not None else {"type": "object"}
 
 
+# Keywords whose values are data, not subschemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+_SCHEMA_ROOT_URI = "urn:kserve:request-schema"
+
+
+def _refs(node: Any) -> list[str]:
+    if isinstance(node, list):
+        return [r for item in node for r in _refs(item)]
+    if not isinstance(node, dict):
+        return []
+    found = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+    for key, value in node.items():
+        if key not in _DATA_KEYWORDS:
+            found.extend(_refs(value))
+    return found
+
+
+def unresolvable_ref(schema: Any) -> str | None:
+    """Why a `$ref` in `schema` cannot be followed, or None when all resolve within the schema itself.
+
+    `check_schema` accepts any URI in `$ref`; validating against one that points elsewhere (a remote document,
+    a missing `#/definitions/...`) fails only at use time. Nothing is fetched: every reference must be local.
+    """
+    refs = _refs(schema)
+    if not refs:
+        return None
+    dialect = schema.get("$schema", "") if isinstance(schema, dict) else ""
+    spec = referencing.jsonschema.specification_with(dialect, default=referencing.jsonschema.DRAFT202012)
+    resolver = referencing.Registry().with_resource(_SCHEMA_ROOT_URI, spec.create_resource(schema)).resolver(
+        _SCHEMA_ROOT_URI)
+    for ref in refs:
+        if not ref.startswith("#"):
+            return f"$ref {ref!r} points outside the schema (only local '#...' references are supported)"
+        try:
+            resolver.lookup(ref)
+        except referencing.exceptions.Unresolvable:
+            return f"$ref {ref!r} does not resolve within the schema"
+    return None
+
+
 def normalize_tools(tools: list[ToolDefinition] | None, raw_tools: Any) -> list[dict[str, Any]] | None:
     """The client's tool dicts, unchanged (the prompt shows them key for key), once each is checked."""
     if tools is None:
@@ -145,6 +188,10 @@ def normalize_tools(tools: list[ToolDefinition] | None, raw_tools: Any) -> list[
                 path = "/".join(str(p) for p in exc.path) or "(root)"
                 raise bad_request(f"{where}.function.parameters is not a valid JSON schema at {path}: "
                                   f"{exc.message}", f"{where}.function.parameters", "invalid_tool_schema") from None
+            problem = unresolvable_ref(params)
+            if problem is not None:
+                raise bad_request(f"{where}.function.parameters of tool {name!r}: {problem}",
+                                  f"{where}.function.parameters", "invalid_tool_schema")
         out.append(raw_tools[i])
     return out
 
@@ -182,6 +229,10 @@ def check_response_format(fmt: ResponseFormat | None) -> None:
     except jsonschema.SchemaError as exc:
         raise bad_request(f"'response_format.json_schema.schema' is not a valid JSON schema: {exc.message}",
                           "response_format.json_schema.schema", "invalid_schema") from None
+    problem = unresolvable_ref(schema)
+    if problem is not None:
+        raise bad_request(f"'response_format.json_schema.schema': {problem}", "response_format.json_schema.schema",
+                          "invalid_schema")
 
 
 def check_chat_request(req: ChatCompletionRequest) -> None:
