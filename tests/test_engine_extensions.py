@@ -96,3 +96,32 @@ def test_terminated_constraint_stops_even_with_ignore_eos() -> None:
         [PROMPT], SamplingParams(temperature=0.0, max_tokens=30, guided=guide, ignore_eos=True), use_tqdm=False
     )[0]
     assert out.token_ids[-1] == 1 and len(out.token_ids) == 3 and out.outputs[0].finish_reason == "stop"
+
+
+class AllowsAllRejectsOnAccept:
+    """A buggy constraint: its bitmask allows every token, but it rejects the token it is given."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = -1
+
+    def accept_token(self, token_id: int) -> bool:
+        return False
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+class BuggyGuide:
+    def make_constraint(self) -> AllowsAllRejectsOnAccept:
+        return AllowsAllRejectsOnAccept()
+
+
+def test_token_rejected_by_the_constraint_aborts_never_stops() -> None:
+    out = LLM.from_engine(make_toy_engine(tokenizer=CharTokenizer())).generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=30, guided=BuggyGuide()), use_tqdm=False
+    )[0]
+    assert len(out.token_ids) == 1
+    assert out.outputs[0].finish_reason == "abort" and out.outputs[0].stop_reason is None

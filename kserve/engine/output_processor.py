@@ -36,7 +36,9 @@ class OutputProcessor:
         constraint = seq.constraint
         if constraint is not None:
             if not constraint.is_terminated() and not constraint.accept_token(token_id):
-                self._finish(seq, "stop", None)  # the sampler masked it: a constraint bug
+                # The sampler masked it, so this is a constraint bug; the output may be invalid and
+                # must not look complete.
+                self._finish(seq, "abort", None)
                 return
             if constraint.is_terminated():
                 ignore_eos = False  # the grammar is complete: its stop token ends the completion
