@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from test_engine_toy import TOY_VOCAB, CharTokenizer, make_toy_engine, run_to_completion
 
 from kserve.engine.sampling_params import SamplingParams
@@ -209,3 +210,45 @@ def test_a_row_that_fails_to_sample_fails_only_its_request() -> None:
     # the neighbours were sampled row by row from untouched logits: the same tokens as without it
     assert [outs["r0"].token_ids, outs["r1"].token_ids] == expected
     assert engine.block_manager.num_used_blocks == 0
+
+
+class HoldsLastCharDetokenizer:
+    """Holds each piece's last character until the next call, as a detokenizer waiting on UTF-8 does."""
+
+    def __init__(self, tok: CharTokenizer) -> None:
+        self.tok, self.pending = tok, ""
+
+    def add(self, token_ids: list[int]) -> str:
+        text = self.pending + self.tok.decode(token_ids)
+        self.pending = text[-1:]
+        return text[:-1]
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text
+
+
+class HoldingTokenizer(CharTokenizer):
+    def detokenizer(self, skip_special_tokens: bool = False) -> HoldsLastCharDetokenizer:
+        return HoldsLastCharDetokenizer(self)
+
+
+class ForceTokens:
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def __call__(self, output_token_ids, logits):
+        forced = torch.full_like(logits, float("-inf"))
+        forced[self.tokens[len(output_token_ids)]] = 0.0
+        return forced
+
+
+def test_stop_string_completed_by_the_final_flush_is_a_stop() -> None:
+    engine = make_toy_engine(tokenizer=HoldingTokenizer())
+    text = "xyab"
+    params = SamplingParams(temperature=0.0, max_tokens=len(text), stop=["ab"],
+                            logits_processors=[ForceTokens([ord(c) for c in text])])
+    engine.add_request("r", prompts(1)[0], params)
+    out = run_to_completion(engine)["r"].outputs[0]
+    assert out.text == "xy"
+    assert out.finish_reason == "stop" and out.stop_reason == "ab"

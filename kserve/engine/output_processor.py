@@ -84,9 +84,11 @@ class OutputProcessor:
             start = len(seq.text)
             seq.text += seq.detokenizer.flush()
             seq.detokenizer = None
-            # The flushed tail may complete a stop string too.
+            # The flushed tail may complete a stop string too; then that string is why it stopped.
             if reason != "stop" or isinstance(stop_reason, int):
-                self._cut_at_stop_string(seq, start)
+                found = self._cut_at_stop_string(seq, start)
+                if found is not None and reason != "abort":
+                    seq.finish_reason, seq.stop_reason = "stop", found
         seq.visible_len = len(seq.text)
 
     def _check_stop_strings(self, seq: Sequence, start: int) -> bool:
