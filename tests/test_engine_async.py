@@ -9,6 +9,7 @@ import pytest
 from test_engine_toy import TOY_VOCAB, CharTokenizer, make_toy_engine, run_to_completion
 
 from kserve.engine.async_engine import AsyncLLMEngine
+from kserve.engine.errors import PromptRejected
 from kserve.engine.sampling_params import SamplingParams
 
 
@@ -91,8 +92,12 @@ def test_bad_request_and_failing_request_do_not_stop_the_loop() -> None:
         engine = AsyncLLMEngine(make_toy_engine())
         await engine.start()
         try:
-            with pytest.raises(ValueError, match="maximum context length"):
+            with pytest.raises(PromptRejected, match="maximum context length"):
+                engine.validate_prompt([5] * 5000, SamplingParams())  # before any streaming starts
+            with pytest.raises(PromptRejected, match="maximum context length"):
                 await collect(engine, "big", [5] * 5000, SamplingParams())
+            with pytest.raises(PromptRejected, match="vocabulary"):
+                await collect(engine, "oov", [TOY_VOCAB + 1], SamplingParams())
             bad, ok = await asyncio.gather(
                 collect(engine, "bad", prompt(1), SamplingParams(logits_processors=[Explodes()])),
                 collect(engine, "ok", prompt(2), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)),

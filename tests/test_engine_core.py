@@ -252,3 +252,19 @@ def test_stop_string_completed_by_the_final_flush_is_a_stop() -> None:
     out = run_to_completion(engine)["r"].outputs[0]
     assert out.text == "xy"
     assert out.finish_reason == "stop" and out.stop_reason == "ab"
+
+
+def test_refused_prompts_raise_prompt_rejected() -> None:
+    from kserve.engine.errors import PromptRejected
+
+    engine = make_toy_engine(num_kv_blocks=8, block_size=4)  # max_model_len 32
+    for ids, params in (
+        ([5] * 40, GREEDY), ([], GREEDY), ([TOY_VOCAB], GREEDY), ([-1], GREEDY), (["5"], GREEDY),
+        ([5, 6], SamplingParams(prompt_logprobs=1)),
+    ):
+        with pytest.raises(PromptRejected):
+            engine.validate_prompt(ids, params)
+        with pytest.raises(PromptRejected):
+            engine.add_request("x", ids, params)
+    assert not engine.has_unfinished()
+    engine.validate_prompt([5] * 31, GREEDY)  # the longest prompt that still leaves room for a token

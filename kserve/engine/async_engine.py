@@ -89,12 +89,12 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative snapshots of the request; the last has `finished=True`.
 
-        Raises ValueError for a prompt the engine cannot take. Leaving the iteration early (a client
-        disconnect) aborts the request.
+        Raises PromptRejected (a ValueError) for a prompt the engine cannot take. Leaving the
+        iteration early (a client disconnect) aborts the request.
         """
         if self._thread is None:
             raise RuntimeError("AsyncLLMEngine.start() has not been called")
-        self.engine.validate_prompt(prompt_token_ids)
+        self.validate_prompt(prompt_token_ids, params)
         stream = _Stream(asyncio.get_running_loop())
         self._commands.put(_Add(request_id, list(prompt_token_ids), params, stream))
         finished = False
@@ -111,6 +111,10 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 self._commands.put(_Abort(request_id))
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Raise PromptRejected if the engine would refuse this request; safe on the event loop."""
+        self.engine.validate_prompt(prompt_token_ids, params)
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import numbers
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 
 from kserve.config import EngineConfig, ModelConfig
 from kserve.engine.block_manager import BlockManager
+from kserve.engine.errors import PromptRejected
 from kserve.engine.model_runner import ModelRunner, num_kv_blocks_for
 from kserve.engine.output_processor import OutputProcessor
 from kserve.engine.outputs import CompletionOutput, RequestOutput
@@ -117,6 +119,10 @@ def generation_eos_ids(model_dir: Path | None) -> list[int]:
 _SEED_MASK = (1 << 63) - 1
 
 
+def _is_token_id(value: Any, vocab: int) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < vocab
+
+
 def completion_seed(seed: int, index: int) -> int:
     """Completion `index`'s seed, folded into [0, 2**63) so that any int64 seed (negative too) fits."""
     return (seed + index * SEED_STRIDE) & _SEED_MASK
@@ -212,9 +218,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate_prompt(prompt_token_ids)
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported")
+        self.validate_prompt(prompt_token_ids, params)
         request = Request(request_id, prompt, prompt_token_ids, params)
         arrival = next(self._arrivals)
         share_prompt = params.n > 1 and self.config.enable_prefix_caching
@@ -235,18 +239,22 @@ class LLMEngine:
         self.prompt_tokens_total += len(prompt_token_ids)
         return request
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Raise PromptRejected if this engine cannot take the request. Reads only fixed
+        configuration, so any thread may call it."""
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
+            raise PromptRejected("the prompt is empty")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise PromptRejected(
                 f"the prompt has {len(prompt_token_ids)} tokens, but this model's maximum context "
                 f"length is {self.max_model_len} tokens, prompt and completion together"
             )
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids if not _is_token_id(t, vocab)]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise PromptRejected(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if params is not None and params.prompt_logprobs is not None:
+            raise PromptRejected("prompt_logprobs is not supported")
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.pop(request_id, None)
