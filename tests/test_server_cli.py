@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -63,6 +64,28 @@ def test_kserve_serve_embedded_tiny_model(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# A template that writes tool calls as plain JSON: the startup self-check's tool parser cannot read it back.
+DRIFTED_TEMPLATE = (
+    "{% for m in messages %}<|im_{{ 'user' if m.role == 'user' else 'assistant' }}|>{{ m.role }}<|im_middle|>"
+    "{{ m.content or '' }}{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+)
+
+
+def test_kserve_serve_exits_nonzero_when_the_self_check_fails(tmp_path, tiny_k2_dir):
+    model_dir = tmp_path / "drifted-model"
+    shutil.copytree(tiny_k2_dir, model_dir)
+    (model_dir / "chat_template.jinja").write_text(DRIFTED_TEMPLATE)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kserve.cli", "serve", str(model_dir), "--port", str(_free_port()),
+         "--max-model-len", "256"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180,
+    )
+    assert proc.returncode != 0, proc.stdout
+    assert "startup failed at the self-check stage" in proc.stdout, proc.stdout
+    assert "tool parser" in proc.stdout  # the self-check's own reason
 
 
 def test_serve_flags_reach_the_settings(monkeypatch):

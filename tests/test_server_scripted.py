@@ -460,3 +460,22 @@ def test_startup_self_check_catches_a_template_parser_mismatch(scripted):
                          metrics=ServerMetrics())
     with pytest.raises(SelfCheckError, match="tool parser"):
         run_self_check(bad)
+
+
+class _UnconstrainedCompiler:
+    """A grammar compiler that hands back no constraint: the live self-check must notice."""
+
+    def compile(self, spec):
+        return None
+
+
+def test_live_self_check_names_the_failing_stage(scripted):
+    from kserve.server.self_check import SelfCheckError, run_live_self_check
+
+    server, _, _, _ = scripted
+    ctx = server.app.state.server.context
+    broken = ServingContext(engine=ctx.engine, tokenizer=ctx.tokenizer, template=ctx.template, model_name=MODEL,
+                            max_model_len=ctx.max_model_len, vocab_size=ctx.vocab_size, settings=ctx.settings,
+                            metrics=ServerMetrics(), grammar=_UnconstrainedCompiler())
+    with pytest.raises(SelfCheckError, match="grammar stage"):
+        asyncio.run(run_live_self_check(broken))

@@ -32,6 +32,15 @@ from kserve.server.sse import openai_json
 logger = logging.getLogger("kserve.server")
 
 EngineLoader = Callable[[ServerSettings, ServerMetrics], Awaitable[ServingContext]]
+LoadFailureHandler = Callable[[str], None]
+
+
+class StartupError(RuntimeError):
+    """Loading failed; `stage` names the step (engine, chat template, grammar compiler, self-check...)."""
+
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        super().__init__(f"startup failed at the {stage} stage: {type(cause).__name__}: {cause}")
+        self.stage = stage
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -58,10 +67,12 @@ class ClosingStreamingResponse(StreamingResponse):
 class ServerState:
     """Readiness and the serving context of one app instance."""
 
-    def __init__(self, settings: ServerSettings, loader: EngineLoader) -> None:
+    def __init__(self, settings: ServerSettings, loader: EngineLoader,
+                 on_load_failure: LoadFailureHandler | None = None) -> None:
         self.settings = settings
         self.metrics = ServerMetrics()
         self.loader = loader
+        self.on_load_failure = on_load_failure
         self.context: ServingContext | None = None
         self.load_error: str | None = None
         self.loaded_at: float | None = None
@@ -77,9 +88,11 @@ class ServerState:
         started = time.monotonic()
         try:
             self.context = await self.loader(self.settings, self.metrics)
-        except Exception as exc:  # the server stays up and reports it on /health
-            logger.exception("model failed to load")
-            self.load_error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:
+            self.load_error = str(exc) if isinstance(exc, StartupError) else f"{type(exc).__name__}: {exc}"
+            logger.exception("model failed to load: %s", self.load_error)
+            if self.on_load_failure is not None:
+                self.on_load_failure(self.load_error)  # `kserve serve` stops; otherwise /health reports it
             return
         self.loaded_at = time.time()
         logger.info("model %r ready in %.1fs (max_model_len %d); OpenAI API at http://%s:%d/v1",
@@ -161,8 +174,10 @@ class RequestCountMiddleware:
         await self.app(scope, receive, counting_send)
 
 
-def build_app(settings: ServerSettings, loader: EngineLoader | None = None) -> FastAPI:
-    state = ServerState(settings, loader or load_serving_context)
+def build_app(settings: ServerSettings, loader: EngineLoader | None = None,
+              on_load_failure: LoadFailureHandler | None = None) -> FastAPI:
+    """The app; `on_load_failure(message)` is called if loading fails (without it, the app answers 503)."""
+    state = ServerState(settings, loader or load_serving_context, on_load_failure)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -246,21 +261,30 @@ async def load_serving_context(settings: ServerSettings, metrics: ServerMetrics)
     from kserve.engine.async_engine import AsyncLLMEngine
     from kserve.server.self_check import run_live_self_check, run_self_check
 
-    engine = await asyncio.to_thread(AsyncLLMEngine.from_config, settings.engine)
-    await engine.start()
+    try:
+        engine = await asyncio.to_thread(AsyncLLMEngine.from_config, settings.engine)
+        await engine.start()
+    except Exception as exc:
+        raise StartupError("engine load", exc) from exc
+    stage = "chat template"
     try:
         template = await asyncio.to_thread(ChatTemplate.load, engine.model_dir, settings.chat_template)
         name = settings.served_model_name or Path(engine.model_dir).name
         grammar = None
         if settings.guided_decoding:
+            stage = "grammar compiler"
             grammar = await asyncio.to_thread(GrammarCompiler, engine.tokenizer, engine.model_config.vocab_size)
         ctx = ServingContext(engine=engine, tokenizer=engine.tokenizer, template=template, model_name=name,
                              max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
                              settings=settings, metrics=metrics, grammar=grammar)
         if not settings.skip_self_check:
+            stage = "self-check"
             run_self_check(ctx)
+            stage = "live self-check"
             await run_live_self_check(ctx)
-    except BaseException:
+    except BaseException as exc:
         await engine.shutdown()  # not serving: stop the engine's step thread
+        if isinstance(exc, Exception):
+            raise StartupError(stage, exc) from exc
         raise
     return ctx

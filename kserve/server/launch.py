@@ -15,7 +15,7 @@ from typing import Any
 import uvicorn
 
 from kserve.config import EngineConfig
-from kserve.server.app import EngineLoader, build_app
+from kserve.server.app import EngineLoader, LoadFailureHandler, build_app
 from kserve.server.context import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
 
 logger = logging.getLogger("kserve.server")
@@ -57,8 +57,9 @@ def _configure_logging(level: str) -> None:
     logging.getLogger("kserve").setLevel(level.upper())
 
 
-def _uvicorn_config(settings: ServerSettings, loader: EngineLoader | None) -> uvicorn.Config:
-    return uvicorn.Config(build_app(settings, loader), host=settings.host, port=settings.port,
+def _uvicorn_config(settings: ServerSettings, loader: EngineLoader | None,
+                    on_load_failure: LoadFailureHandler | None = None) -> uvicorn.Config:
+    return uvicorn.Config(build_app(settings, loader, on_load_failure), host=settings.host, port=settings.port,
                           log_level=settings.log_level.lower(), timeout_graceful_shutdown=5,
                           access_log=settings.log_level.lower() == "debug")
 
@@ -72,8 +73,18 @@ def run_server(args: argparse.Namespace) -> int:
             return 2
     logger.info("kserve listening on http://%s:%d (model %s loads in the background; /health turns 200 "
                 "when ready)", settings.host, settings.port, settings.engine.model or "<embedded tiny>")
-    server = uvicorn.Server(_uvicorn_config(settings, None))
+    failures: list[str] = []
+
+    def stop_on_load_failure(message: str) -> None:
+        # A server that can never serve should not sit behind 503s: exit non-zero so a supervisor notices.
+        failures.append(message)
+        server.should_exit = True
+
+    server = uvicorn.Server(_uvicorn_config(settings, None, stop_on_load_failure))
     server.run()
+    if failures:
+        logger.error("kserve serve is stopping: %s", failures[0])
+        return 1
     return 0 if server.started else 1
 
 
