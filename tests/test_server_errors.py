@@ -293,6 +293,10 @@ def test_too_many_concurrent_requests_get_429():
         assert resp.status_code == 429, resp.text
         assert resp.json()["error"]["type"] == "rate_limit_error"
         assert "2 concurrent" in resp.json()["error"]["message"]
+        # Admission comes before any preparation: a request that preparing would refuse is not even read.
+        for path, body in ((CHAT, chat(messages=[{"role": "tool", "content": "x"}])),
+                           (COMPLETIONS, completion(prompt=[1, 2, 10**7]))):
+            assert httpx.post(srv.base_url + path, json=body).status_code == 429
         srv.call_in_loop(engine.release.set)
         for t in threads:
             t.join(timeout=10)

@@ -236,8 +236,8 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                ctx: ServingContext = Depends(context)) -> Any:
         # FastAPI validated `body` against the protocol model; the raw JSON keeps what the model ignores.
-        prep = await prepare_chat(ctx, body, await request.json())
-        with ctx.admitted() as admission:
+        with ctx.admitted() as admission:  # before any work (tokenizing, grammar compiling): 429 comes first
+            prep = await prepare_chat(ctx, body, await request.json())
             if prep.req.stream:
                 return ClosingStreamingResponse(stream_chat(ctx, prep), admission.hand_off())
             return JSONResponse(openai_json(await run_chat(ctx, prep, request)))
@@ -245,8 +245,8 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None,
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=[Depends(require_auth)])
     async def completions(body: CompletionRequest, request: Request,
                           ctx: ServingContext = Depends(context)) -> Any:
-        prep = prepare_completion(ctx, body, await request.json())
         with ctx.admitted() as admission:
+            prep = prepare_completion(ctx, body, await request.json())
             if prep.req.stream:
                 return ClosingStreamingResponse(stream_completion(ctx, prep), admission.hand_off())
             return JSONResponse(openai_json(await run_completion(ctx, prep, request)))
