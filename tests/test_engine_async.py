@@ -131,3 +131,90 @@ def test_event_loop_stays_responsive_while_stepping() -> None:
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+class FailsOnce:
+    """Wraps an engine method so that its `nth` call raises (every call from then on if `sticky`)."""
+
+    def __init__(self, method, nth: int, message: str, sticky: bool = False) -> None:
+        self.method, self.nth, self.message, self.sticky, self.calls = method, nth, message, sticky, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.nth or (self.sticky and self.calls > self.nth):
+            raise RuntimeError(self.message)
+        return self.method(*args, **kwargs)
+
+
+LONG = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+SHORT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.mark.parametrize("method", ["stats", "abort_request"])
+def test_loop_survives_an_unexpected_error_outside_the_step(method: str) -> None:
+    async def main() -> None:
+        engine = AsyncLLMEngine(make_toy_engine())
+        core = engine.engine
+        setattr(core, method, FailsOnce(getattr(core, method), nth=5, message=f"{method} bug"))
+        await engine.start()
+        try:
+            async def held(rid: str) -> None:
+                async for _ in engine.generate(rid, prompt(7), LONG):
+                    if method == "abort_request":
+                        await engine.abort("no-such-request")  # each abort calls abort_request
+            results = await asyncio.wait_for(
+                asyncio.gather(held("a"), held("b"), return_exceptions=True), timeout=30
+            )
+            assert all(isinstance(r, RuntimeError) and f"{method} bug" in str(r) for r in results)
+            assert engine.healthy() and engine.fatal_error is None
+            after = await asyncio.wait_for(collect(engine, "after", prompt(8), SHORT), timeout=30)
+            assert after[-1].finished and len(after[-1].token_ids) == 4
+            assert core.block_manager.num_used_blocks == 0
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_loop_that_cannot_recover_reports_a_fatal_error() -> None:
+    from kserve.engine.errors import EngineDeadError
+
+    async def main() -> None:
+        engine = AsyncLLMEngine(make_toy_engine())
+        core = engine.engine
+        core.stats = FailsOnce(core.stats, nth=2, message="stats bug")
+        core.fail_requests = FailsOnce(core.fail_requests, nth=1, message="cannot clean up", sticky=True)
+        await engine.start()
+        try:
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(collect(engine, "a", prompt(7), LONG), timeout=30)
+            assert not engine.healthy()
+            assert isinstance(engine.fatal_error, RuntimeError) and "cannot clean up" in str(engine.fatal_error)
+            with pytest.raises(EngineDeadError):  # at once, not after a wait
+                await asyncio.wait_for(collect(engine, "b", prompt(8), SHORT), timeout=1)
+        finally:
+            await asyncio.wait_for(engine.shutdown(), timeout=30)
+
+    asyncio.run(main())
+
+
+def test_loop_gives_up_after_repeated_failures() -> None:
+    from kserve.engine.async_engine import MAX_CONSECUTIVE_FAILURES
+    from kserve.engine.errors import EngineDeadError
+
+    async def main() -> None:
+        engine = AsyncLLMEngine(make_toy_engine())
+        engine.engine.stats = FailsOnce(engine.engine.stats, nth=1, message="stats broken", sticky=True)
+        await engine.start()
+        try:
+            errors = []
+            for i in range(MAX_CONSECUTIVE_FAILURES + 1):
+                with pytest.raises(RuntimeError) as info:
+                    await asyncio.wait_for(collect(engine, f"r{i}", prompt(i), SHORT), timeout=30)
+                errors.append(info.value)
+            assert "stats broken" in str(errors[0]) and isinstance(errors[-1], EngineDeadError)
+            assert not engine.healthy()
+        finally:
+            await asyncio.wait_for(engine.shutdown(), timeout=30)
+
+    asyncio.run(main())

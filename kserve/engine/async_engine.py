@@ -3,6 +3,10 @@
 All engine state is touched only by the loop thread. `generate` and `abort` post commands to it
 through a queue; after each step the thread hands each changed request's snapshot to the request's
 asyncio queue with `call_soon_threadsafe`, so the event loop never waits on the model.
+
+An unexpected error in one loop iteration fails the requests the engine held and the loop goes on;
+if it cannot (cleaning up fails, or iterations keep failing), the loop records a fatal error, fails
+everything waiting, and `generate()` raises EngineDeadError at once from then on.
 """
 
 from __future__ import annotations
@@ -17,11 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from kserve.config import EngineConfig, ModelConfig
+from kserve.engine.errors import EngineDeadError
 from kserve.engine.llm_engine import EngineStats, LLMEngine
 from kserve.engine.outputs import RequestOutput
 from kserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Loop iterations failing in a row before the loop gives up: the engine is then broken for everyone.
+MAX_CONSECUTIVE_FAILURES = 3
 
 
 @dataclass
@@ -62,6 +70,8 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}  # owned by the loop thread
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
+        self._fatal_error: BaseException | None = None  # set by the loop thread when it gives up
+        self._stopping = False
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -71,6 +81,7 @@ class AsyncLLMEngine:
     async def start(self) -> None:
         if self._thread is not None:
             return
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kserve-engine", daemon=True)
         self._thread.start()
 
@@ -78,6 +89,7 @@ class AsyncLLMEngine:
         if self._thread is None:
             self.engine.shutdown()
             return
+        self._stopping = True
         self._commands.put(None)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self._thread = None
@@ -89,14 +101,17 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative snapshots of the request; the last has `finished=True`.
 
-        Raises PromptRejected (a ValueError) for a prompt the engine cannot take. Leaving the
-        iteration early (a client disconnect) aborts the request.
+        Raises PromptRejected (a ValueError) for a prompt the engine cannot take, EngineDeadError
+        once the step loop has stopped for good (see `healthy()`), and the request's own error if
+        it fails. Leaving the iteration early (a client disconnect) aborts the request.
         """
         if self._thread is None:
             raise RuntimeError("AsyncLLMEngine.start() has not been called")
+        self._raise_if_dead()
         self.validate_prompt(prompt_token_ids, params)
         stream = _Stream(asyncio.get_running_loop())
         self._commands.put(_Add(request_id, list(prompt_token_ids), params, stream))
+        self._raise_if_dead()  # the loop may have died since the first check: no one would read it
         finished = False
         try:
             while True:
@@ -122,33 +137,87 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    @property
+    def fatal_error(self) -> BaseException | None:
+        """The error that stopped the step loop for good, or None while it runs (or before start)."""
+        thread = self._thread
+        if self._fatal_error is None and thread is not None and not self._stopping and not thread.is_alive():
+            return EngineDeadError("the engine loop thread is not running")
+        return self._fatal_error
+
+    def healthy(self) -> bool:
+        """False once the step loop has stopped for good; a server's /health should then fail."""
+        return self.fatal_error is None
+
+    def _raise_if_dead(self) -> None:
+        error = self.fatal_error
+        if error is not None:
+            raise _dead_error(error)
+
     # ------------------------------------------------------------------ the loop thread
     def _loop(self) -> None:
+        failures = 0
+        try:
+            while True:
+                try:
+                    if not self._iterate():
+                        return
+                    failures = 0
+                except Exception as exc:  # noqa: BLE001 -- fail what the engine held, keep serving
+                    failures += 1
+                    logger.exception("engine loop iteration failed; failing the requests it held")
+                    self._fail_held(exc)
+                    if failures >= MAX_CONSECUTIVE_FAILURES:
+                        raise EngineDeadError(
+                            f"the engine loop failed {failures} times in a row; last error: {exc!r}"
+                        ) from exc
+        except BaseException as exc:  # noqa: BLE001 -- the loop cannot go on: say so, never hang
+            self._die(exc)
+
+    def _iterate(self) -> bool:
+        """Take the pending commands, run one step, deliver its snapshots; False on shutdown."""
         engine = self.engine
-        while True:
-            block = not engine.has_unfinished()
+        block = not engine.has_unfinished()
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            command = False  # no command; keep stepping
+        while command is not False:
+            if command is None:
+                self._abort_all()
+                return False
+            self._handle(command)
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get_nowait()
             except queue.Empty:
-                command = False  # no command; keep stepping
-            while command is not False:
-                if command is None:
-                    self._abort_all()
-                    return
-                self._handle(command)
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    command = False
-            if engine.has_unfinished():
-                try:
-                    changed = engine.step()
-                except Exception as exc:  # the engine itself broke; fail what it held, keep serving
-                    logger.exception("engine step failed")
-                    changed = engine.fail_requests(set(engine.requests), exc)
-                for request in changed:
-                    self._deliver(request)
-            self._stats = engine.stats()
+                command = False
+        if engine.has_unfinished():
+            for request in engine.step():
+                self._deliver(request)
+        self._stats = engine.stats()
+        return True
+
+    def _fail_held(self, exc: Exception) -> None:
+        """Fail every request the engine or a stream still holds with `exc` (raises if it cannot)."""
+        self.engine.fail_requests(set(self.engine.requests), exc)  # if this raises, _die tells them
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        self._fatal_error = exc  # first: a generate() that posts after this sees it and raises
+        logger.critical("the engine loop stopped for good", exc_info=exc)
+        error = _dead_error(exc)
+        for stream in self._streams.values():
+            stream.put(error)
+        self._streams.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                command.stream.put(error)
 
     def _handle(self, command: _Add | _Abort) -> None:
         engine = self.engine
@@ -180,3 +249,9 @@ class AsyncLLMEngine:
             request = self.engine.abort_request(request_id)
             if request is not None:
                 self._deliver(request)
+
+
+def _dead_error(cause: BaseException) -> EngineDeadError:
+    error = EngineDeadError(f"the engine stopped after an unrecoverable error: {cause!r}")
+    error.__cause__ = cause
+    return error
