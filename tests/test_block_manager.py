@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kserve.engine import block_manager
 from kserve.engine.block_manager import BlockManager
 from kserve.engine.sampling_params import SamplingParams
 from kserve.engine.sequence import Sequence
@@ -91,3 +92,37 @@ def test_can_allocate_counts_cached_free_blocks() -> None:
     assert len(cached) == 2
     assert not bm.can_allocate(b, cached, 5)
     assert bm.can_allocate(b, cached, 4)
+
+
+def first_token_hash(parent, token_ids):
+    """A deliberately weak chain hash: blocks collide whenever their first tokens are equal."""
+    return token_ids[0]
+
+
+def test_hash_collision_with_a_block_at_another_depth_is_not_reused(monkeypatch) -> None:
+    monkeypatch.setattr(block_manager, "chain_hash", first_token_hash)
+    bm = BlockManager(16, BS)
+    a = make_seq([10, 11, 12, 13, 20, 21, 22, 23, 99], 0)
+    admit_and_compute(bm, a)
+    # B's first block has A's second block's tokens and hash, but not its prefix: its KV differs
+    b = make_seq([20, 21, 22, 23, 5], 1)
+    assert bm.match_prefix(b) == []
+    assert bm.match_prefix(make_seq([10, 11, 12, 13, 20, 21, 22, 23, 7], 2)) == a.block_table[:2]
+
+
+def test_collision_against_an_evicted_parent_is_not_reused(monkeypatch) -> None:
+    monkeypatch.setattr(block_manager, "chain_hash", first_token_hash)
+    bm = BlockManager(16, BS)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0], 0)
+    admit_and_compute(bm, a)
+    a0, a1 = a.block_table[:2]
+    bm.free(a)
+    bm.free_ids.move_to_end(a0, last=False)
+    bm._take_free_block()  # evicts A's first block; its child a1 stays cached
+    assert bm.blocks[a1].hash is not None
+    # C's first block collides with the evicted one (same hash, other tokens) and takes its place
+    c = make_seq([1, 9, 9, 9, 0], 1)
+    admit_and_compute(bm, c)
+    # B follows C's first block with A's second block's tokens: a1 must not be reused after it
+    b = make_seq([1, 9, 9, 9, 5, 6, 7, 8, 0], 2)
+    assert bm.match_prefix(b) == c.block_table[:1]

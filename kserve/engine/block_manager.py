@@ -1,7 +1,11 @@
 """Paged latent-KV blocks with prefix caching.
 
-Every full block of a sequence gets a hash chained over its parent's hash and its own token ids,
-so equal hashes mean equal prefixes. A block is registered in the prefix cache only once its KV has
+Every full block of a sequence gets a hash chained over its parent's hash and its own token ids; the
+hash only finds a candidate. A 64-bit hash can collide (and Python's tuple hash of small ints can be
+made to), so a candidate is used only if it holds the same tokens *and* was registered as the child
+of the very block matched just before it: each registration gets a never-reused serial, and a block
+records its parent's. By induction a match is then the whole prefix, never a lookalike. A block is
+registered in the prefix cache only once its KV has
 actually been computed. Freed blocks keep their hash and go to the back of an LRU free list: a later
 request with the same prefix can take them back, and allocation evicts from the front (the least
 recently freed) first.
@@ -10,6 +14,7 @@ recently freed) first.
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import count
 from dataclasses import dataclass, field
 
 from kserve.engine.sequence import Sequence
@@ -20,7 +25,17 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None
-    token_ids: tuple[int, ...] = field(default=())  # kept to rule out hash collisions
+    # Set while the block is in the prefix cache: its registration's serial, its parent block's
+    # serial (None for a sequence's first block) and its own tokens.
+    serial: int | None = None
+    parent_serial: int | None = None
+    token_ids: tuple[int, ...] = field(default=())
+
+    def holds(self, parent_serial: int | None, token_ids: tuple[int, ...]) -> bool:
+        return self.parent_serial == parent_serial and self.token_ids == token_ids
+
+    def clear_hash(self) -> None:
+        self.hash, self.serial, self.parent_serial, self.token_ids = None, None, None, ()
 
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
@@ -37,8 +52,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
-        # seq_id -> hash of each registered (computed, full) block of that sequence, in order
-        self.seq_hashes: dict[int, list[int]] = {}
+        # seq_id -> (hash, serial) of the cached block holding each of its computed full blocks
+        self.seq_chains: dict[int, list[tuple[int, int]]] = {}
+        self._serials = count()
         self.prefix_hit_tokens = 0
         self.prefix_miss_tokens = 0
 
@@ -63,15 +79,16 @@ class BlockManager:
             return []
         matched: list[int] = []
         parent: int | None = None
+        parent_serial: int | None = None
         bs = self.block_size
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(parent, tokens)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None or not self.blocks[block_id].holds(parent_serial, tokens):
                 break
             matched.append(block_id)
-            parent = h
+            parent, parent_serial = h, self.blocks[block_id].serial
         return matched
 
     def can_allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
@@ -83,16 +100,16 @@ class BlockManager:
     def allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> None:
         """Give a waiting sequence its cached prefix blocks plus room for `num_new_tokens`."""
         assert not seq.block_table, "allocate() is for sequences that hold no blocks"
-        hashes: list[int] = []
+        chain: list[tuple[int, int]] = []
         for block_id in cached:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_ids[block_id]
             block.ref_count += 1
-            assert block.hash is not None
-            hashes.append(block.hash)
+            assert block.hash is not None and block.serial is not None
+            chain.append((block.hash, block.serial))
         seq.block_table = list(cached)
-        self.seq_hashes[seq.seq_id] = hashes
+        self.seq_chains[seq.seq_id] = chain
         num_cached_tokens = len(cached) * self.block_size
         seq.num_computed_tokens = num_cached_tokens
         if not self.append_slots(seq, num_new_tokens):
@@ -118,20 +135,28 @@ class BlockManager:
         """Put the sequence's newly computed full blocks into the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        hashes = self.seq_hashes.setdefault(seq.seq_id, [])
+        chain = self.seq_chains.setdefault(seq.seq_id, [])
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_full):
+        parent, parent_serial = chain[-1] if chain else (None, None)
+        for i in range(len(chain), num_full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(parent, tokens)
             block = self.blocks[seq.block_table[i]]
             existing = self.hash_to_block.get(h)
-            if existing is None or existing == block.block_id:
-                self._set_hash(block, h, tokens)
-            # else: another block already caches these tokens; keep that one, this one stays private
-            hashes.append(h)
-            parent = h
+            if existing is None:
+                self._register(block, h, parent_serial, tokens)
+                cached = block
+            else:
+                cached = self.blocks[existing]
+                if not cached.holds(parent_serial, tokens):
+                    # A different prefix owns this hash (a collision): cache no more of this
+                    # sequence; a later call retries from here.
+                    return
+                # else this block or another already caches exactly this prefix; a duplicate stays private
+            assert cached.serial is not None
+            chain.append((h, cached.serial))
+            parent, parent_serial = h, cached.serial
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks. Blocks keep their hashes until they are reused."""
@@ -149,13 +174,13 @@ class BlockManager:
                     self.free_ids[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
-        self.seq_hashes.pop(seq.seq_id, None)
+        self.seq_chains.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             if block.hash is not None and block.ref_count == 0:
                 del self.hash_to_block[block.hash]
-                block.hash, block.token_ids = None, ()
+                block.clear_hash()
 
     # ----------------------------------------------------------------------------- internals
     def _take_free_block(self) -> int:
@@ -164,10 +189,11 @@ class BlockManager:
         if block.hash is not None:
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.clear_hash()
         block.ref_count = 1
         return block_id
 
-    def _set_hash(self, block: Block, h: int, tokens: tuple[int, ...]) -> None:
-        block.hash, block.token_ids = h, tokens
+    def _register(self, block: Block, h: int, parent_serial: int | None, tokens: tuple[int, ...]) -> None:
+        block.hash, block.serial = h, next(self._serials)
+        block.parent_serial, block.token_ids = parent_serial, tokens
         self.hash_to_block[h] = block.block_id
