@@ -7,6 +7,7 @@ small body limit, so every limit can be hit cheaply.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -319,6 +320,90 @@ def test_too_many_concurrent_requests_get_429():
             assert srv.app.state.server.context.in_flight == 0
         srv.call_in_loop(engine.release.set)
         assert httpx.post(srv.base_url + CHAT, json=chat()).status_code == 200
+
+
+class _EndingEngine:
+    """Engine stand-in: `finish` is the engine's finish_reason for every request ("abort" as on shutdown or a
+    grammar rejection); with `finish=None` it trickles unfinished snapshots until the request is abandoned."""
+
+    def __init__(self) -> None:
+        self.finish: str | None = "abort"
+        self.aborted: list[str] = []
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        from kserve.engine.outputs import CompletionOutput, RequestOutput
+
+        for step in range(1, 500):
+            await asyncio.sleep(0.02)
+            done = self.finish is not None and step == 2
+            yield RequestOutput(request_id, None, prompt_token_ids,
+                                [CompletionOutput(i, "ok" * step, [1] * step, None, self.finish if done else None)
+                                 for i in range(params.n)], finished=done)
+            if done:
+                return
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def stats(self):
+        return {}
+
+    async def shutdown(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def ending():
+    from kserve.chat import ChatTemplate, load_tokenizer
+    from kserve.server.context import ServingContext
+    from kserve.tiny_checkpoint import ensure_embedded_model
+
+    model_dir = ensure_embedded_model()
+    engine = _EndingEngine()
+
+    async def loader(settings, metrics):
+        return ServingContext(engine=engine, tokenizer=load_tokenizer(model_dir), template=ChatTemplate.load(model_dir),
+                              model_name=MODEL, max_model_len=1024, vocab_size=2048, settings=settings,
+                              metrics=metrics)
+
+    with BackgroundServer(ServerSettings(port=0), loader) as srv:
+        yield srv, engine
+
+
+@pytest.mark.parametrize("path,body", [(CHAT, chat()), (COMPLETIONS, completion())], ids=["chat", "completions"])
+def test_aborted_generation_is_an_error_never_a_stop(ending, path, body):
+    srv, engine = ending
+    engine.finish = "abort"
+    resp = httpx.post(srv.base_url + path, json=body, timeout=30)
+    assert resp.status_code == 503, resp.text
+    assert resp.json()["error"]["code"] == "generation_aborted"
+    with httpx.stream("POST", srv.base_url + path, json=dict(body, stream=True), timeout=30) as s:
+        assert s.status_code == 200
+        events = [line[len("data: "):] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert payloads[-1]["error"]["code"] == "generation_aborted", payloads[-1]
+    assert not [c for p in payloads for c in p.get("choices", []) if c.get("finish_reason")]
+    engine.finish = "length"  # control: a normal end still reports its reason
+    assert httpx.post(srv.base_url + path, json=body, timeout=30).json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_client_disconnect_is_499_on_both_endpoints(ending):
+    srv, engine = ending
+    engine.finish = None  # never finishes by itself
+    for path, body in ((CHAT, chat()), (COMPLETIONS, completion())):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.base_url + path, json=body, timeout=0.5)
+    endpoint_status: dict = {}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        endpoint_status = dict(srv.app.state.server.metrics.requests)
+        if endpoint_status.get((CHAT, 499)) and endpoint_status.get((COMPLETIONS, 499)):
+            break
+        time.sleep(0.05)
+    assert endpoint_status.get((CHAT, 499)) == 1, endpoint_status
+    assert endpoint_status.get((COMPLETIONS, 499)) == 1, endpoint_status
+    assert len(engine.aborted) >= 2
 
 
 def test_server_still_serving_after_bad_inputs(server):

@@ -99,7 +99,8 @@ class ServerMetrics:
             metric("kserve_tool_calls_total", "counter", "tool calls returned to clients",
                    [(f"{{{model}}}", self.tool_calls)])
             metric("kserve_tool_call_problems_total", "counter",
-                   "tool-call outcomes that failed validation: schema_invalid, invalid_json, undeclared_tool, "
+                   "tool-call outcomes that failed validation: schema_invalid, schema_unresolvable, invalid_json, "
+                   "undeclared_tool, "
                    "empty_tool_calls (a section was opened but no call parsed)",
                    [(f'{{problem="{p}"}}', self.tool_call_problems[p]) for p in TOOL_CALL_PROBLEMS])
             metric("kserve_prompt_tokens_total", "counter", "prompt tokens of served requests",

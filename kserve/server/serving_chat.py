@@ -24,6 +24,7 @@ from kserve.server.context import DisconnectWatch, ServingContext, new_request_i
 from kserve.server.errors import APIError, bad_request
 from kserve.server.guided import compile_grammar, grammar_spec
 from kserve.server.logprobs import chat_logprobs
+from kserve.server.outcome import client_gone, finish_reason, unfinished, usage_info
 from kserve.server.protocol import (
     UNSUPPORTED_CHAT_FIELDS,
     AssistantMessage,
@@ -38,7 +39,6 @@ from kserve.server.protocol import (
     FunctionCallDelta,
     ToolCall,
     ToolCallDeltaOut,
-    UsageInfo,
 )
 from kserve.server.sampling import build_sampling_params, fit_max_tokens
 from kserve.server.sse import sse_done, sse_event
@@ -145,20 +145,6 @@ def _tool_call_out(call: ParsedToolCall) -> ToolCall:
     return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments or NO_ARGUMENTS))
 
 
-def _finish_reason(engine_reason: str | None, has_calls: bool) -> str:
-    # A reply cut by max_tokens says so even if a call had begun: its arguments may be incomplete.
-    if engine_reason == "length":
-        return "length"
-    return "tool_calls" if has_calls else "stop"
-
-
-def _usage(prompt_ids: list[int], outputs: list[Any], cached: int) -> UsageInfo:
-    completion = sum(len(o.token_ids) for o in outputs)
-    return UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion,
-                     total_tokens=len(prompt_ids) + completion,
-                     prompt_tokens_details={"cached_tokens": cached})
-
-
 # ----------------------------------------------------------------------------- non-streaming
 
 
@@ -166,6 +152,7 @@ async def run_chat(ctx: ServingContext, prep: PreparedChat, request: Any) -> Cha
     start = time.monotonic()
     first_token: float | None = None
     final = None
+    gone = False
     watch = DisconnectWatch(request)
     try:
         async for out in ctx.engine.generate(prep.request_id, prep.prompt_ids, prep.params):
@@ -176,6 +163,7 @@ async def run_chat(ctx: ServingContext, prep: PreparedChat, request: Any) -> Cha
                 break
             if await watch.gone():
                 logger.info("request %s: client disconnected; aborting", prep.request_id)
+                gone = True
                 break
     except ValueError as exc:  # the engine refused the prompt
         raise bad_request(f"the engine refused the request: {exc}") from None
@@ -183,9 +171,9 @@ async def run_chat(ctx: ServingContext, prep: PreparedChat, request: Any) -> Cha
         if final is None or not final.finished:
             await ctx.abort(prep.request_id)
     if final is None or not final.finished:
-        raise APIError(499 if final is not None else 500, "request aborted before it finished", code="aborted")
+        raise client_gone() if gone else unfinished()
     choices = [_chat_choice(ctx, prep, o) for o in sorted(final.outputs, key=lambda o: o.index)]
-    usage = _usage(prep.prompt_ids, final.outputs, final.num_cached_tokens)
+    usage = usage_info(len(prep.prompt_ids), final.outputs, final.num_cached_tokens)
     ctx.metrics.count_tokens(usage.prompt_tokens, usage.completion_tokens)
     ctx.metrics.observe_latency(first_token, time.monotonic() - start)
     return ChatCompletionResponse(id=prep.request_id, model=ctx.model_name, choices=choices, usage=usage)
@@ -201,7 +189,7 @@ def _chat_choice(ctx: ServingContext, prep: PreparedChat, output: Any) -> ChatCh
         parsed = parse_tool_output(text, prep.tools)
         text, calls = parsed.content, prep.kept(parsed.calls)
         check_tool_calls(ctx, prep.request_id, calls, parsed.section_opened, prep.tools)
-    finish = _finish_reason(output.finish_reason, bool(calls))
+    finish = finish_reason(output.finish_reason, bool(calls))
     ctx.metrics.count_finish(finish)
     message = AssistantMessage(
         content=text if (text or not calls) else None,
@@ -327,11 +315,16 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
                     final_choice = _final_choice(ctx, prep, state, output.finish_reason)
                     if include_usage and prep.params.n == 1:
                         # Moonshot's API also puts usage in the last choice; the K2 vendor verifier reads it there.
-                        final_choice.usage = _usage(prep.prompt_ids, out.outputs, out.num_cached_tokens)
+                        final_choice.usage = usage_info(len(prep.prompt_ids), out.outputs, out.num_cached_tokens)
                     yield chunk(final_choice)
             if out.finished:
                 break
-    except Exception as exc:  # the status line is already sent: report in-band, then end the stream
+    except APIError as exc:  # the status line is already sent: report in-band, then end the stream
+        logger.warning("request %s: %s", rid, exc.message)
+        yield sse_event(exc.body())
+        yield sse_done()
+        return
+    except Exception as exc:
         logger.exception("request %s: error while streaming", rid)
         yield sse_event(APIError(500, f"internal error while streaming: {type(exc).__name__}").body())
         yield sse_done()
@@ -340,10 +333,10 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
         if final is None or not final.finished:
             await ctx.abort(rid)
     if include_usage and final is not None:
-        usage = _usage(prep.prompt_ids, final.outputs, final.num_cached_tokens)
+        usage = usage_info(len(prep.prompt_ids), final.outputs, final.num_cached_tokens)
         yield sse_event(ChatCompletionChunk(id=rid, model=model, created=created, choices=[], usage=usage))
     if final is not None:
-        usage = _usage(prep.prompt_ids, final.outputs, final.num_cached_tokens)
+        usage = usage_info(len(prep.prompt_ids), final.outputs, final.num_cached_tokens)
         ctx.metrics.count_tokens(usage.prompt_tokens, usage.completion_tokens)
     ctx.metrics.observe_latency(first_token, time.monotonic() - start)
     yield sse_done()
@@ -354,6 +347,6 @@ def _final_choice(ctx: ServingContext, prep: PreparedChat, state: _ChoiceStream,
     if state.tool_parser is not None:
         calls = state.calls()
         check_tool_calls(ctx, prep.request_id, calls, state.tool_parser.section_opened, prep.tools)
-    finish = _finish_reason(engine_reason, bool(calls))
+    finish = finish_reason(engine_reason, bool(calls))
     ctx.metrics.count_finish(finish)
     return ChatChunkChoice(index=state.index, delta=ChatDelta(), finish_reason=finish)

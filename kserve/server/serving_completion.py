@@ -8,6 +8,7 @@ special tokens recognized, and output keeps special tokens (the tool-call marker
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -15,6 +16,7 @@ from typing import Any, AsyncIterator
 from kserve.server.context import DisconnectWatch, ServingContext, new_request_id
 from kserve.server.errors import APIError, bad_request
 from kserve.server.logprobs import completion_logprobs
+from kserve.server.outcome import client_gone, finish_reason, unfinished, usage_info
 from kserve.server.protocol import (
     UNSUPPORTED_COMPLETION_FIELDS,
     CompletionChoice,
@@ -25,6 +27,8 @@ from kserve.server.protocol import (
 from kserve.server.sampling import build_sampling_params, fit_max_tokens
 from kserve.server.sse import sse_done, sse_event
 from kserve.server.validation import normalize_stop, reject_unsupported
+
+logger = logging.getLogger("kserve.server")
 
 MAX_CHOICES = 64  # prompts x n per request
 
@@ -97,13 +101,8 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest, raw: dict[st
 
 
 def _usage(prep: PreparedCompletion, finals: list[Any]) -> UsageInfo:
-    prompt = sum(len(p.prompt_ids) for p in prep.prompts)
-    completion = sum(len(o.token_ids) for f in finals if f is not None for o in f.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def _finish(reason: str | None) -> str:
-    return "length" if reason == "length" else "stop"
+    done = [f for f in finals if f is not None]
+    return usage_info(sum(len(p.prompt_ids) for p in prep.prompts), [o for f in done for o in f.outputs])
 
 
 async def _merged(ctx: ServingContext, prep: PreparedCompletion) -> AsyncIterator[tuple[int, Any]]:
@@ -148,22 +147,24 @@ def _choice(ctx: ServingContext, prep: PreparedCompletion, i: int, output: Any) 
     if req.logprobs is not None:
         logprobs = completion_logprobs(ctx.tokenizer, output.logprobs or [], req.logprobs, len(prefix))
     return CompletionChoice(index=i * req.n + output.index, text=prefix + output.text, logprobs=logprobs,
-                            finish_reason=_finish(output.finish_reason))
+                            finish_reason=finish_reason(output.finish_reason))
 
 
 async def run_completion(ctx: ServingContext, prep: PreparedCompletion, request: Any) -> CompletionResponse:
     start = time.monotonic()
     finals: list[Any] = [None] * len(prep.prompts)
+    gone = False
     watch = DisconnectWatch(request)
     try:
         async for i, out in _merged(ctx, prep):
             finals[i] = out
             if await watch.gone():
+                gone = True
                 break
     except ValueError as exc:  # the engine refused a prompt
         raise bad_request(f"the engine refused the request: {exc}") from None
     if any(f is None or not f.finished for f in finals):
-        raise APIError(500, "request aborted before it finished", code="aborted")
+        raise client_gone() if gone else unfinished()
     choices = [_choice(ctx, prep, i, o) for i, f in enumerate(finals) for o in sorted(f.outputs, key=lambda o: o.index)]
     for c in choices:
         ctx.metrics.count_finish(c.finish_reason)
@@ -208,10 +209,15 @@ async def stream_completion(ctx: ServingContext, prep: PreparedCompletion) -> As
                     yield chunk(index, new_text, logprobs)
                 if output.finish_reason is not None:
                     done.add(index)
-                    finish = _finish(output.finish_reason)
+                    finish = finish_reason(output.finish_reason)
                     ctx.metrics.count_finish(finish)
                     yield chunk(index, "", None, finish)
+    except APIError as exc:  # the status line is already sent: report in-band, then end the stream
+        yield sse_event(exc.body())
+        yield sse_done()
+        return
     except Exception as exc:
+        logger.exception("request %s: error while streaming", rid)
         yield sse_event(APIError(500, f"internal error while streaming: {type(exc).__name__}").body())
         yield sse_done()
         return
