@@ -196,6 +196,13 @@ def test_extreme_seeds_are_folded_and_reproducible() -> None:
         SamplingParams(seed=1.5)
 
 
+def test_sampling_params_that_would_fail_in_the_sampler_are_refused_up_front() -> None:
+    for bias in ({"x": 1.0}, {5: float("nan")}, {5: "1"}, {True: 1.0}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bias)
+    SamplingParams(logit_bias={5: -100, 6: 2.5})
+
+
 def test_a_row_that_fails_to_sample_fails_only_its_request() -> None:
     ps = prompts(3, seed=4)
     sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=5, ignore_eos=True, logit_bias={7: 0.5})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,8 +50,11 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and not _is_int(self.seed):
             bad(f"seed must be an integer, got {self.seed!r}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not _is_int(token) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                bad(f"logit_bias must map integer token ids to finite numbers, got {token!r}: {bias!r}")
         if self.n < 1:
             bad(f"n must be at least 1, got {self.n}")
         if self.temperature < 0:
@@ -74,3 +79,7 @@ class SamplingParams:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
