@@ -329,10 +329,21 @@ class _EndingEngine:
     def __init__(self) -> None:
         self.finish: str | None = "abort"
         self.aborted: list[str] = []
+        self.refuse = False  # validate_prompt (and generate, as the real engine does) refuse every prompt
+        self.fail: Exception | None = None  # generate raises this (an engine bug, not a client error)
+
+    def validate_prompt(self, prompt_token_ids, params=None):
+        from kserve.engine.errors import PromptRejected
+
+        if self.refuse:
+            raise PromptRejected("this engine refuses every prompt today")
 
     async def generate(self, request_id, prompt_token_ids, params):
         from kserve.engine.outputs import CompletionOutput, RequestOutput
 
+        self.validate_prompt(prompt_token_ids, params)
+        if self.fail is not None:
+            raise self.fail
         for step in range(1, 500):
             await asyncio.sleep(0.02)
             done = self.finish is not None and step == 2
@@ -386,6 +397,29 @@ def test_aborted_generation_is_an_error_never_a_stop(ending, path, body):
     assert not [c for p in payloads for c in p.get("choices", []) if c.get("finish_reason")]
     engine.finish = "length"  # control: a normal end still reports its reason
     assert httpx.post(srv.base_url + path, json=body, timeout=30).json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("path,body,param", [(CHAT, chat(), "messages"), (COMPLETIONS, completion(), "prompt")],
+                         ids=["chat", "completions"])
+def test_engine_refusal_is_a_400_before_streaming_and_other_engine_errors_are_500(ending, path, body, param):
+    srv, engine = ending
+    engine.finish, engine.refuse = "stop", True
+    try:
+        for stream in (False, True):
+            resp = httpx.post(srv.base_url + path, json=dict(body, stream=stream), timeout=30)
+            assert resp.status_code == 400, resp.text  # a status line, not an in-band error in a 200 stream
+            error = resp.json()["error"]
+            assert error["code"] == "prompt_rejected" and error["param"] == param
+            assert "refuses every prompt today" in error["message"]
+    finally:
+        engine.refuse = False
+    engine.fail = ValueError("an engine bug that happens to be a ValueError")
+    try:
+        resp = httpx.post(srv.base_url + path, json=body, timeout=30)
+        assert resp.status_code == 500, resp.text
+    finally:
+        engine.fail = None
+    assert httpx.post(srv.base_url + path, json=body, timeout=30).status_code == 200
 
 
 def test_client_disconnect_is_499_on_both_endpoints(ending):

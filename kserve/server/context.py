@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterator
 import anyio
 
 from kserve.config import EngineConfig
-from kserve.server.errors import APIError
+from kserve.engine.errors import PromptRejected
+from kserve.server.errors import APIError, bad_request
 from kserve.server.metrics import ServerMetrics
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
@@ -76,11 +77,25 @@ class ServingContext:
             raise APIError(404, f"model {requested!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
+    def validate_prompt(self, prompt_ids: list[int], params: Any, param: str) -> None:
+        """A 400 naming `param` now, before any streaming starts, for a prompt the engine would refuse."""
+        validate = getattr(self.engine, "validate_prompt", None)  # engine stand-ins in tests may lack it
+        if validate is None:
+            return
+        try:
+            validate(prompt_ids, params)
+        except PromptRejected as exc:
+            raise engine_refused(exc, param) from None
+
     async def abort(self, request_id: str) -> None:
         """Abort an unfinished engine request; shielded, since it usually runs inside a cancelled stream."""
         self.metrics.count_abort()
         with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
             await self.engine.abort(request_id)
+
+
+def engine_refused(exc: PromptRejected, param: str | None = None) -> APIError:
+    return bad_request(f"the engine refused the request: {exc}", param, "prompt_rejected")
 
 
 def new_request_id(prefix: str) -> str:

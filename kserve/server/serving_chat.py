@@ -20,7 +20,8 @@ from kserve.chat import (
     split_reasoning,
 )
 from kserve.chat import ToolCall as ParsedToolCall
-from kserve.server.context import DisconnectWatch, ServingContext, new_request_id
+from kserve.engine.errors import PromptRejected
+from kserve.server.context import DisconnectWatch, ServingContext, engine_refused, new_request_id
 from kserve.server.errors import APIError, bad_request
 from kserve.server.guided import compile_grammar, grammar_spec
 from kserve.server.logprobs import chat_logprobs
@@ -101,6 +102,7 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dic
         skip_special_tokens=not parse_tools,
         vocab_size=ctx.vocab_size, guided=guided,
     )
+    ctx.validate_prompt(prompt_ids, params, "messages")
     return PreparedChat(new_request_id("chatcmpl"), req, prompt_ids, params, tools, parse_tools, top_logprobs,
                         max_calls=1 if req.parallel_tool_calls is False else None)
 
@@ -165,8 +167,8 @@ async def run_chat(ctx: ServingContext, prep: PreparedChat, request: Any) -> Cha
                 logger.info("request %s: client disconnected; aborting", prep.request_id)
                 gone = True
                 break
-    except ValueError as exc:  # the engine refused the prompt
-        raise bad_request(f"the engine refused the request: {exc}") from None
+    except PromptRejected as exc:  # prepare_chat validated it; a backstop
+        raise engine_refused(exc, "messages") from None
     finally:
         if final is None or not final.finished:
             await ctx.abort(prep.request_id)

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from kserve.server.context import DisconnectWatch, ServingContext, new_request_id
+from kserve.engine.errors import PromptRejected
+from kserve.server.context import DisconnectWatch, ServingContext, engine_refused, new_request_id
 from kserve.server.errors import APIError, bad_request
 from kserve.server.logprobs import completion_logprobs
 from kserve.server.outcome import client_gone, finish_reason, unfinished, usage_info
@@ -96,6 +97,7 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest, raw: dict[st
         max_tokens = fit_max_tokens(len(ids), req.max_tokens, ctx.max_model_len)
         params = build_sampling_params(req, max_tokens=max_tokens, stop=stop, logprobs=req.logprobs,
                                        skip_special_tokens=req.skip_special_tokens, vocab_size=ctx.vocab_size)
+        ctx.validate_prompt(ids, params, where)
         prompts.append(PreparedPrompt(f"{request_id}-{i}", ids, text, params))
     return PreparedCompletion(request_id, req, prompts)
 
@@ -161,8 +163,8 @@ async def run_completion(ctx: ServingContext, prep: PreparedCompletion, request:
             if await watch.gone():
                 gone = True
                 break
-    except ValueError as exc:  # the engine refused a prompt
-        raise bad_request(f"the engine refused the request: {exc}") from None
+    except PromptRejected as exc:  # prepare_completion validated each prompt; a backstop
+        raise engine_refused(exc, "prompt") from None
     if any(f is None or not f.finished for f in finals):
         raise client_gone() if gone else unfinished()
     choices = [_choice(ctx, prep, i, o) for i, f in enumerate(finals) for o in sorted(f.outputs, key=lambda o: o.index)]
