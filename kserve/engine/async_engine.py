@@ -163,7 +163,7 @@ class AsyncLLMEngine:
                     if not self._iterate():
                         return
                     failures = 0
-                except Exception as exc:  # noqa: BLE001 -- fail what the engine held, keep serving
+                except Exception as exc:
                     failures += 1
                     logger.exception("engine loop iteration failed; failing the requests it held")
                     self._fail_held(exc)

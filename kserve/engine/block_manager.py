@@ -14,8 +14,8 @@ recently freed) first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from itertools import count
 from dataclasses import dataclass, field
+from itertools import count
 
 from kserve.engine.sequence import Sequence
 
