@@ -331,6 +331,10 @@ class _EndingEngine:
         self.aborted: list[str] = []
         self.refuse = False  # validate_prompt (and generate, as the real engine does) refuse every prompt
         self.fail: Exception | None = None  # generate raises this (an engine bug, not a client error)
+        self.fatal_error: Exception | None = None  # set: the step loop has died
+
+    def healthy(self):
+        return self.fatal_error is None
 
     def validate_prompt(self, prompt_token_ids, params=None):
         from kserve.engine.errors import PromptRejected
@@ -420,6 +424,21 @@ def test_engine_refusal_is_a_400_before_streaming_and_other_engine_errors_are_50
     finally:
         engine.fail = None
     assert httpx.post(srv.base_url + path, json=body, timeout=30).status_code == 200
+
+
+def test_health_fails_once_the_engine_loop_has_died(ending):
+    srv, engine = ending
+    assert httpx.get(srv.base_url + "/health").status_code == 200
+    engine.fatal_error = RuntimeError("CUDA error: an illegal memory access")
+    try:
+        resp = httpx.get(srv.base_url + "/health")
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["code"] == "engine_dead"
+        assert "illegal memory access" in resp.json()["error"]["message"]
+        assert httpx.post(srv.base_url + CHAT, json=chat()).status_code == 503
+    finally:
+        engine.fatal_error = None
+    assert httpx.get(srv.base_url + "/health").status_code == 200
 
 
 def test_client_disconnect_is_499_on_both_endpoints(ending):

@@ -78,7 +78,11 @@ class ServerState:
         self.loaded_at: float | None = None
 
     def ready(self) -> ServingContext:
+        """The serving context, or a 503 while loading, after a failed load, or once the engine has died."""
         if self.context is not None:
+            failure = self.context.engine_failure()
+            if failure is not None:
+                raise APIError(503, f"the engine has stopped and cannot serve: {failure}", code="engine_dead")
             return self.context
         if self.load_error is not None:
             raise APIError(503, f"model failed to load: {self.load_error}", code="model_load_failed")
@@ -212,8 +216,8 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None,
 
     @app.get("/health", tags=["ops"])
     async def health() -> JSONResponse:
-        state.ready()
-        return JSONResponse({"status": "ok", "model": state.context.model_name})
+        ctx = state.ready()
+        return JSONResponse({"status": "ok", "model": ctx.model_name})
 
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:

@@ -77,6 +77,14 @@ class ServingContext:
             raise APIError(404, f"model {requested!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
+    def engine_failure(self) -> str | None:
+        """Why the engine can serve no more (its step loop died), or None while it is healthy."""
+        healthy = getattr(self.engine, "healthy", None)  # engine stand-ins in tests may lack it
+        if healthy is None or healthy():
+            return None
+        error = getattr(self.engine, "fatal_error", None)
+        return f"{type(error).__name__}: {error}" if error is not None else "the engine's step loop has stopped"
+
     def validate_prompt(self, prompt_ids: list[int], params: Any, param: str) -> None:
         """A 400 naming `param` now, before any streaming starts, for a prompt the engine would refuse."""
         validate = getattr(self.engine, "validate_prompt", None)  # engine stand-ins in tests may lack it
