@@ -8,6 +8,7 @@ import hmac
 import logging
 import time
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -42,7 +43,7 @@ class StartupError(RuntimeError):
         super().__init__(f"startup failed at the {stage} stage: {type(cause).__name__}: {cause}")
         self.stage = stage
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = MappingProxyType({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 class ClosingStreamingResponse(StreamingResponse):

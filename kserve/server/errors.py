@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from types import MappingProxyType
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("kserve.server")
 
-_TYPE_BY_STATUS = {
+_TYPE_BY_STATUS = MappingProxyType({
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
@@ -26,7 +27,7 @@ _TYPE_BY_STATUS = {
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
-}
+})
 
 
 class APIError(Exception):
@@ -63,7 +64,7 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 # pydantic puts union branch tags in error locations ("str", "list[ContentPart]", "NamedToolChoice",
 # "function-after[...]"); field names here are lower_snake_case, so anything else is a tag.
 _FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str:

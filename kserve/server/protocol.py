@@ -7,6 +7,8 @@ defines that this server does not implement are listed separately and rejected b
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,16 +18,16 @@ MAX_STOP_SEQUENCES = 16
 MAX_TOP_LOGPROBS = 20
 
 # Known OpenAI fields this server does not implement: field -> why / what to use instead.
-UNSUPPORTED_CHAT_FIELDS: dict[str, str] = {
+UNSUPPORTED_CHAT_FIELDS: Mapping[str, str] = MappingProxyType({
     "functions": "the legacy 'functions' field is not supported; use 'tools'",
     "function_call": "the legacy 'function_call' field is not supported; use 'tool_choice'",
     "audio": "audio output is not supported by this text-only model",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "built-in web search is not supported",
-}
-UNSUPPORTED_COMPLETION_FIELDS: dict[str, str] = {
+})
+UNSUPPORTED_COMPLETION_FIELDS: Mapping[str, str] = MappingProxyType({
     "suffix": "'suffix' (insertion) is not supported",
-}
+})
 
 
 class _Request(BaseModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 from kserve.chat import parse_tool_output
 from kserve.chat.markers import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
@@ -16,12 +17,19 @@ from kserve.server.context import ServingContext
 
 logger = logging.getLogger("kserve.server")
 
-_TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-_CALL = {"id": "functions.get_weather:0", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-_USER = {"role": "user", "content": "Weather in Paris?"}
+def _tools() -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def _call() -> dict[str, Any]:
+    return {"id": "functions.get_weather:0", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def _user() -> dict[str, Any]:
+    return {"role": "user", "content": "Weather in Paris?"}
 
 
 class SelfCheckError(RuntimeError):
@@ -34,27 +42,34 @@ def run_self_check(ctx: ServingContext) -> None:
         ids = tokenizer.encode(marker, allow_special_tokens=True)
         if len(ids) != 1 or tokenizer.decode(ids, skip_special_tokens=False) != marker:
             raise SelfCheckError(f"tokenizer does not map {marker} to one special token that decodes back: {ids}")
-    prompt = template.render([_USER], _TOOLS, add_generation_prompt=True)
-    history = template.render([_USER, {"role": "assistant", "content": "", "tool_calls": [_CALL]}], _TOOLS,
+    call = _call()
+    prompt = template.render([_user()], _tools(), add_generation_prompt=True)
+    history = template.render([_user(), {"role": "assistant", "content": "", "tool_calls": [call]}], _tools(),
                               add_generation_prompt=False)
     if not history.startswith(prompt):
         raise SelfCheckError("the chat template's generation prompt is not a prefix of the rendered assistant turn")
     generated = history[len(prompt):]
-    parsed = parse_tool_output(generated, _TOOLS)
+    parsed = parse_tool_output(generated, _tools())
     got = [(c.id, c.name, json.loads(c.arguments) if c.valid_json else c.arguments) for c in parsed.calls]
-    want = [(_CALL["id"], "get_weather", {"city": "Paris"})]
+    want = [(call["id"], "get_weather", {"city": "Paris"})]
     if got != want:
         raise SelfCheckError(f"tool parser read {got} from the template's own tool-call turn {generated!r}; "
                              f"expected {want}")
     logger.info("self-check passed: template %s, tokenizer and tool parser agree", template.origin)
 
 
-_LIVE_TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["unit"], "additionalProperties": False}}}]
-_LIVE_REQUEST = {"model": "", "messages": [_USER], "tools": _LIVE_TOOLS, "tool_choice": "required",
-                 "parallel_tool_calls": False, "temperature": 0, "max_tokens": 64}
+def _live_tools() -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather for a city",
+        "parameters": {"type": "object",
+                       "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                       "required": ["unit"], "additionalProperties": False}}}]
+
+
+def live_request(model: str) -> dict[str, Any]:
+    """The live self-check's request body; fresh each call, since request handling keeps references into it."""
+    return {"model": model, "messages": [_user()], "tools": _live_tools(), "tool_choice": "required",
+            "parallel_tool_calls": False, "temperature": 0, "max_tokens": 64}
 
 
 async def run_live_self_check(ctx: ServingContext) -> None:
@@ -72,7 +87,7 @@ async def run_live_self_check(ctx: ServingContext) -> None:
     if ctx.grammar is None:
         logger.info("live self-check skipped: guided decoding is off")
         return
-    raw = dict(_LIVE_REQUEST, model=ctx.model_name)
+    raw = live_request(ctx.model_name)
     try:
         prep = await prepare_chat(ctx, ChatCompletionRequest.model_validate(raw), raw)
     except Exception as exc:
@@ -90,8 +105,9 @@ async def run_live_self_check(ctx: ServingContext) -> None:
         raise SelfCheckError(f"self-check failed at the engine stage: generation ended with {reason!r}, "
                              "not a stop token after the grammar completed")
     text = final.outputs[0].text
-    parsed = parse_tool_output(text, _LIVE_TOOLS)
-    schema = _LIVE_TOOLS[0]["function"]["parameters"]
+    tools = _live_tools()
+    parsed = parse_tool_output(text, tools)
+    schema = tools[0]["function"]["parameters"]
     try:
         (call,) = parsed.calls
         if call.name != "get_weather" or not call.valid_json:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jsonschema
@@ -25,13 +27,13 @@ from kserve.server.protocol import (
 )
 
 # `_input` is the K2 vendor verifier's resource role; its client rewrites it to system/"resource".
-ROLE_ALIASES = {"developer": ("system", None), "_input": ("system", "resource")}
+ROLE_ALIASES = MappingProxyType({"developer": ("system", None), "_input": ("system", "resource")})
 ROLES = ("system", "user", "assistant", "tool")
 TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
 
-def reject_unsupported(raw: dict[str, Any], unsupported: dict[str, str]) -> None:
+def reject_unsupported(raw: dict[str, Any], unsupported: Mapping[str, str]) -> None:
     present = [k for k in unsupported if raw.get(k) is not None]
     if present:
         reasons = "; ".join(unsupported[k] for k in present)
