@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -125,7 +126,7 @@ def test_every_schema_both_ways_streaming_and_not(client, model):
 
     def run(job):
         name, kind, target, stream, kw = job
-        seed = hash((name, kind, stream)) % 10_000
+        seed = zlib.crc32(f"{name}/{kind}/{stream}".encode()) % 10_000  # hash() of a str varies per process
         try:
             result = chat(client, model, stream, temperature=1.0, seed=seed, **kw)
         except openai.BadRequestError as exc:
@@ -141,9 +142,14 @@ def test_every_schema_both_ways_streaming_and_not(client, model):
     invalid = [r for r in results if r[3].startswith("INVALID")]
     refused = sorted({(r[0], r[1]) for r in results if r[3].startswith("400")})
     lengths = sum(r[3] == "length" for r in results)
-    print(f"\n{len(results)} responses over {len(cases)} schemas; cut by length at max_tokens={MAX_TOKENS}: "
+    validated = sum(r[3] in ("stop", "tool_calls") for r in results)
+    print(f"\n{len(results)} responses over {len(cases)} schemas; validated (stop/tool_calls): {validated} "
+          f"({validated / len(results):.0%}); cut by length at max_tokens={MAX_TOKENS}: "
           f"{lengths} ({lengths / len(results):.0%}); refused with 400: {refused}")
     assert not invalid, invalid[:3]
+    # Responses cut by length are not checked, so a run where (nearly) all are cut would prove nothing.
+    # (27% of the default subset's 48 completed when this was written; the bar leaves room for sampler changes.)
+    assert validated >= max(4, len(results) // 10), f"only {validated} of {len(results)} responses completed"
     # xgrammar refuses only TestRangeConstraints[2] (minLength beyond int32), both ways.
     assert all(name == "TestRangeConstraints[2]" for name, _ in refused), refused
 
@@ -174,12 +180,17 @@ def test_auto_mode_calls_only_declared_tools_with_valid_arguments(client, model,
 
 def test_named_tool_choice_forces_exactly_that_call(client, model):
     choice = {"type": "function", "function": {"name": "web.search-v2"}}
+    finishes = []
     for stream in (False, True):
         for seed in range(3):
             result = chat(client, model, stream, tools=[WEATHER, SEARCH], tool_choice=choice, temperature=1.0,
                           seed=seed)
-            if check_calls([SEARCH], result, required=True) == "tool_calls":
+            finishes.append(check_calls([SEARCH], result, required=True))
+            if finishes[-1] == "tool_calls":
                 assert [c["function"]["name"] for c in result[1]] == ["web.search-v2"]
+    called = finishes.count("tool_calls")
+    print(f"\nnamed tool_choice: {called} of {len(finishes)} ended in the forced call ({called / len(finishes):.0%})")
+    assert called >= 2, finishes  # those cut by length validate nothing
 
 
 def test_uncompilable_schema_is_a_400_with_xgrammars_message(server, model):
