@@ -268,11 +268,12 @@ async def load_serving_context(settings: ServerSettings, metrics: ServerMetrics)
 
     try:
         engine = await asyncio.to_thread(AsyncLLMEngine.from_config, settings.engine)
-        await engine.start()
     except Exception as exc:
         raise StartupError("engine load", exc) from exc
-    stage = "chat template"
+    stage = "engine start"
     try:
+        await engine.start()
+        stage = "chat template"
         template = await asyncio.to_thread(ChatTemplate.load, engine.model_dir, settings.chat_template)
         name = settings.served_model_name or Path(engine.model_dir).name
         grammar = None
