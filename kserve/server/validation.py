@@ -142,6 +142,25 @@ def _refs(node: Any) -> list[str]:
     return found
 
 
+def schema_error(schema: Any) -> jsonschema.SchemaError | None:
+    """Why `schema` is not a JSON schema, or None.
+
+    Checked against its declared dialect (2020-12 when it names none). A schema that fails there but is
+    valid draft-07, the dialect most client schemas are written in (`"$id": "#user"`, say), is accepted.
+    """
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+        return None
+    except jsonschema.SchemaError as exc:
+        if isinstance(schema, dict) and "$schema" not in schema:
+            try:
+                jsonschema.Draft7Validator.check_schema(schema)
+                return None
+            except jsonschema.SchemaError:
+                pass
+        return exc
+
+
 def unresolvable_ref(schema: Any) -> str | None:
     """Why a `$ref` in `schema` cannot be followed, or None when all resolve within the schema itself.
 
@@ -184,12 +203,11 @@ def normalize_tools(tools: list[ToolDefinition] | None, raw_tools: Any) -> list[
         seen.add(name)
         params = tool.function.parameters
         if params is not None:
-            try:
-                jsonschema.validators.validator_for(params).check_schema(params)
-            except jsonschema.SchemaError as exc:
+            exc = schema_error(params)
+            if exc is not None:
                 path = "/".join(str(p) for p in exc.path) or "(root)"
                 raise bad_request(f"{where}.function.parameters is not a valid JSON schema at {path}: "
-                                  f"{exc.message}", f"{where}.function.parameters", "invalid_tool_schema") from None
+                                  f"{exc.message}", f"{where}.function.parameters", "invalid_tool_schema")
             problem = unresolvable_ref(params)
             if problem is not None:
                 raise bad_request(f"{where}.function.parameters of tool {name!r}: {problem}",
@@ -226,11 +244,10 @@ def check_response_format(fmt: ResponseFormat | None) -> None:
         raise bad_request("'response_format' of type 'json_schema' needs a 'json_schema' object",
                           "response_format.json_schema", "missing_required_parameter")
     schema = fmt.json_schema.schema_
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
+    exc = schema_error(schema)
+    if exc is not None:
         raise bad_request(f"'response_format.json_schema.schema' is not a valid JSON schema: {exc.message}",
-                          "response_format.json_schema.schema", "invalid_schema") from None
+                          "response_format.json_schema.schema", "invalid_schema")
     problem = unresolvable_ref(schema)
     if problem is not None:
         raise bad_request(f"'response_format.json_schema.schema': {problem}", "response_format.json_schema.schema",
