@@ -89,13 +89,24 @@ def chat(client, model, stream: bool, **kw) -> tuple[str | None, list[dict], str
     return choice.message.content, calls, choice.finish_reason
 
 
+def validate(instance, schema) -> None:
+    """jsonschema's verdict under the schema's dialect (draft-07 where 2020-12 refuses the schema itself)."""
+    cls = jsonschema.validators.validator_for(schema)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError:
+        cls = jsonschema.Draft7Validator
+        cls.check_schema(schema)
+    cls(schema).validate(instance)
+
+
 def check_json(schema: dict, result: tuple) -> str:
     content, calls, finish = result
     assert not calls
     if finish == "length":
         return finish
     assert finish == "stop"
-    jsonschema.validate(json.loads(content), schema)
+    validate(json.loads(content), schema)
     return finish
 
 
@@ -110,7 +121,7 @@ def check_calls(tools: list[dict], result: tuple, *, required: bool) -> str:
     for call in calls:
         assert call["function"]["name"] in schemas, call
         assert call["id"].startswith(f"functions.{call['function']['name']}:"), call
-        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+        validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
     return finish
 
 

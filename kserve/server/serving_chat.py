@@ -50,6 +50,7 @@ from kserve.server.validation import (
     normalize_tools,
     reject_unsupported,
     resolve_tool_choice,
+    schema_dialect,
     tool_schema,
 )
 
@@ -132,7 +133,8 @@ def check_tool_calls(ctx: ServingContext, request_id: str, calls: list[ParsedToo
             logger.warning("request %s: call %s arguments are not JSON: %s", request_id, call.id, exc)
             continue
         try:
-            jsonschema.validate(value, schemas[call.name])
+            schema = schemas[call.name]
+            schema_dialect(schema)(schema).validate(value)
         except jsonschema.ValidationError as exc:
             metrics.count_tool_problem("schema_invalid")
             logger.warning("request %s: call %s arguments fail %r's schema: %s", request_id, call.id, call.name,

@@ -142,23 +142,35 @@ def _refs(node: Any) -> list[str]:
     return found
 
 
-def schema_error(schema: Any) -> jsonschema.SchemaError | None:
-    """Why `schema` is not a JSON schema, or None.
+def schema_dialect(schema: Any) -> type:
+    """The validator class for `schema`, or SchemaError when it is not a JSON schema.
 
-    Checked against its declared dialect (2020-12 when it names none). A schema that fails there but is
-    valid draft-07, the dialect most client schemas are written in (`"$id": "#user"`, say), is accepted.
+    Its declared dialect (2020-12 when it names none); a schema that fails there but is valid draft-07,
+    the dialect most client schemas are written in (`"$id": "#user"`, say), is taken as draft-07.
     """
+    cls = jsonschema.validators.validator_for(schema)
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-        return None
+        cls.check_schema(schema)
+        return cls
+    except jsonschema.SchemaError:
+        if not (isinstance(schema, dict) and "$schema" not in schema):
+            raise
+        try:
+            jsonschema.Draft7Validator.check_schema(schema)
+        except jsonschema.SchemaError:
+            pass
+        else:
+            return jsonschema.Draft7Validator
+        raise
+
+
+def schema_error(schema: Any) -> jsonschema.SchemaError | None:
+    """Why `schema` is not a JSON schema (see `schema_dialect`), or None."""
+    try:
+        schema_dialect(schema)
     except jsonschema.SchemaError as exc:
-        if isinstance(schema, dict) and "$schema" not in schema:
-            try:
-                jsonschema.Draft7Validator.check_schema(schema)
-                return None
-            except jsonschema.SchemaError:
-                pass
         return exc
+    return None
 
 
 def unresolvable_ref(schema: Any) -> str | None:
