@@ -17,6 +17,14 @@ def scale_shape(shape: tuple[int, int], block: tuple[int, int] = (128, 128)) -> 
     return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
 
 
+def _check_scale_shape(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+    if tuple(scale_inv.shape) != scale_shape(tuple(weight.shape), block):
+        raise ValueError(
+            f"scale shape {tuple(scale_inv.shape)} does not match weight {tuple(weight.shape)} "
+            f"with blocks {block}"
+        )
+
+
 def dequantize_blocks_torch(
     weight: torch.Tensor,
     scale_inv: torch.Tensor,
@@ -24,11 +32,7 @@ def dequantize_blocks_torch(
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     rows, cols = weight.shape
-    if tuple(scale_inv.shape) != scale_shape((rows, cols), block):
-        raise ValueError(
-            f"scale shape {tuple(scale_inv.shape)} does not match weight {tuple(weight.shape)} "
-            f"with blocks {block}"
-        )
+    _check_scale_shape(weight, scale_inv, block)
     if rows % block[0] == 0 and cols % block[1] == 0:  # no edge blocks: broadcast the scale over tiles
         tiles = weight.float().view(rows // block[0], block[0], cols // block[1], block[1])
         return (tiles * scale_inv.float()[:, None, :, None]).view(rows, cols).to(out_dtype)
@@ -74,11 +78,7 @@ def dequantize_blocks_triton(
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     rows, cols = weight.shape
-    if tuple(scale_inv.shape) != scale_shape((rows, cols), block):
-        raise ValueError(
-            f"scale shape {tuple(scale_inv.shape)} does not match weight {tuple(weight.shape)} "
-            f"with blocks {block}"
-        )
+    _check_scale_shape(weight, scale_inv, block)
     weight = weight.contiguous()
     scale_inv = scale_inv.float().contiguous()
     out = torch.empty(rows, cols, dtype=out_dtype, device=weight.device)

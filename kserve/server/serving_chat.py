@@ -42,7 +42,7 @@ from kserve.server.protocol import (
     ToolCallDeltaOut,
 )
 from kserve.server.sampling import build_sampling_params, fit_max_tokens
-from kserve.server.sse import sse_done, sse_event
+from kserve.server.sse import sse_done, sse_error, sse_event
 from kserve.server.validation import (
     check_chat_request,
     normalize_messages,
@@ -325,13 +325,11 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
                 break
     except APIError as exc:  # the status line is already sent: report in-band, then end the stream
         logger.warning("request %s: %s", rid, exc.message)
-        yield sse_event(exc.body())
-        yield sse_done()
+        yield sse_error(exc.body())
         return
     except Exception as exc:
         logger.exception("request %s: error while streaming", rid)
-        yield sse_event(APIError(500, f"internal error while streaming: {type(exc).__name__}").body())
-        yield sse_done()
+        yield sse_error(APIError(500, f"internal error while streaming: {type(exc).__name__}").body())
         return
     finally:
         if final is None or not final.finished:

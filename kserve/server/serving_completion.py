@@ -26,7 +26,7 @@ from kserve.server.protocol import (
     UsageInfo,
 )
 from kserve.server.sampling import build_sampling_params, fit_max_tokens
-from kserve.server.sse import sse_done, sse_event
+from kserve.server.sse import sse_done, sse_error, sse_event
 from kserve.server.validation import normalize_stop, reject_unsupported
 
 logger = logging.getLogger("kserve.server")
@@ -215,13 +215,11 @@ async def stream_completion(ctx: ServingContext, prep: PreparedCompletion) -> As
                     ctx.metrics.count_finish(finish)
                     yield chunk(index, "", None, finish)
     except APIError as exc:  # the status line is already sent: report in-band, then end the stream
-        yield sse_event(exc.body())
-        yield sse_done()
+        yield sse_error(exc.body())
         return
     except Exception as exc:
         logger.exception("request %s: error while streaming", rid)
-        yield sse_event(APIError(500, f"internal error while streaming: {type(exc).__name__}").body())
-        yield sse_done()
+        yield sse_error(APIError(500, f"internal error while streaming: {type(exc).__name__}").body())
         return
     usage = _usage(prep, finals)
     ctx.metrics.count_tokens(usage.prompt_tokens, usage.completion_tokens)

@@ -27,3 +27,8 @@ def sse_event(body: BaseModel | dict[str, Any]) -> str:
 
 def sse_done() -> str:
     return "data: [DONE]\n\n"
+
+
+def sse_error(body: dict[str, Any]) -> str:
+    """An in-band error event, then [DONE]: for failures after the stream's status line was sent."""
+    return sse_event(body) + sse_done()
