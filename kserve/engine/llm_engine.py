@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import numbers
 import random
 from dataclasses import dataclass
@@ -17,14 +16,17 @@ import torch
 
 from kserve.config import EngineConfig, ModelConfig
 from kserve.engine.block_manager import BlockManager
+from kserve.engine.device import resolve_device, resolve_dtype
 from kserve.engine.errors import PromptRejected
 from kserve.engine.model_runner import ModelRunner, num_kv_blocks_for
 from kserve.engine.output_processor import OutputProcessor
-from kserve.engine.outputs import CompletionOutput, RequestOutput
-from kserve.engine.sampler import SEED_STRIDE, Sampler, SamplerOutput
+from kserve.engine.request import Request
+from kserve.engine.sampler import Sampler, SamplerOutput
 from kserve.engine.sampling_params import SamplingParams
 from kserve.engine.scheduler import Scheduler
-from kserve.engine.sequence import Sequence, SequenceStatus
+from kserve.engine.seeds import completion_seed
+from kserve.engine.sequence import Sequence
+from kserve.engine.stop_tokens import collect_eos_ids
 from kserve.model import kv_cache_bytes_per_token
 
 
@@ -42,90 +44,8 @@ class EngineStats:
     num_preemptions: int
 
 
-class Request:
-    """One user request: a prompt and its `n` completions."""
-
-    def __init__(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
-    ) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.params = params
-        self.seqs: list[Sequence] = []
-        self.error: BaseException | None = None
-
-    @property
-    def finished(self) -> bool:
-        for seq in self.seqs:
-            if seq.status is not SequenceStatus.FINISHED:
-                return False
-        return True
-
-    def output(self) -> RequestOutput:
-        """A snapshot: each completion's full text, tokens and logprobs so far."""
-        completions = [
-            CompletionOutput(
-                index=s.index,
-                text=s.visible_text,
-                token_ids=s.output_token_ids,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for s in self.seqs
-        ]
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=completions,
-            finished=self.finished,
-            num_cached_tokens=self.seqs[0].num_cached_tokens if self.seqs else 0,
-        )
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtypes = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if name not in dtypes:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(dtypes)} or 'auto'")
-    return dtypes[name]
-
-
-def generation_eos_ids(model_dir: Path | None) -> list[int]:
-    """eos_token_id from generation_config.json (an int or a list), if the file exists."""
-    if model_dir is None:
-        return []
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return []
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-
-
-_SEED_MASK = (1 << 63) - 1
-
-
 def _is_token_id(value: Any, vocab: int) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < vocab
-
-
-def completion_seed(seed: int, index: int) -> int:
-    """Completion `index`'s seed, folded into [0, 2**63) so that any int64 seed (negative too) fits."""
-    return (seed + index * SEED_STRIDE) & _SEED_MASK
 
 
 class LLMEngine:
@@ -147,14 +67,7 @@ class LLMEngine:
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.device = torch.device(device)
 
-        eos: list[int] = []
-        for tok in (
-            list(getattr(tokenizer, "stop_token_ids", None) or [])
-            + generation_eos_ids(self.model_dir)
-            + ([model_config.eos_token_id] if model_config.eos_token_id is not None else [])
-        ):
-            if tok not in eos:
-                eos.append(tok)
+        eos = collect_eos_ids(tokenizer, self.model_dir, model_config.eos_token_id)
         self.eos_token_ids = eos
 
         bytes_per_token = kv_cache_bytes_per_token(model_config, dtype)
