@@ -22,6 +22,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's total memory for weights, activations and the KV cache")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="auto = the model dtype; fp8 = an e4m3 latent cache with a scale (half the bytes)")
+    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--guided-decoding", choices=["on", "off"], default="on",
                    help="grammar-masked decoding for response_format, tool_choice and strict tools")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -153,11 +154,21 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget for chunked prefill
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = size from memory
-    kv_cache_memory_fraction: float = 0.9  # share of free accelerator memory for the KV cache
-    kv_cache_cpu_bytes: int = 1 << 30  # KV cache budget on CPU
+    # vLLM's meaning: the share of the accelerator's TOTAL memory this engine may use for weights,
+    # activations (measured by a profiling forward) and the KV cache together.
+    gpu_memory_utilization: float = 0.9
+    kv_cache_cpu_bytes: int = 1 << 30  # KV cache budget on CPU (no profiling there)
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "fp8" = float8_e4m3fn latents with a scale
+    enforce_eager: bool = False  # True = never capture CUDA graphs
     enable_prefix_caching: bool = True
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 def default_cache_dir() -> Path:

@@ -26,8 +26,8 @@ def num_kv_blocks_for(config: EngineConfig, bytes_per_token: int, device: torch.
         return config.num_kv_blocks
     bytes_per_block = bytes_per_token * config.block_size
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * config.kv_cache_memory_fraction)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = min(free, int(total * config.gpu_memory_utilization) - (total - free))
     else:
         budget = config.kv_cache_cpu_bytes
     return max(1, budget // bytes_per_block)

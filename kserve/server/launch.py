@@ -33,6 +33,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
+        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        enforce_eager=getattr(args, "enforce_eager", False),
     )
     return ServerSettings(
         engine=engine,
