@@ -1,0 +1,510 @@
+"""The pool of tools, argument values and phrasings behind the synthetic tool-use conversations.
+
+Each tool is declared once: its OpenAI function schema, how to draw arguments, how a user asks for
+it (intent templates that name the argument values), and what it returns. `scripts/gen_tool_data.py`
+turns these into conversations. Phrasing wrappers are split into a training set and a held-out set,
+so the evaluation can ask in ways the model never saw.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+CITIES = ["Paris", "Tokyo", "Berlin", "Lagos", "Lima", "Oslo", "Cairo", "Seoul", "Denver", "Madrid",
+          "Nairobi", "Hanoi", "Quito", "Dublin", "Austin", "Perth", "Kyoto", "Porto", "Riga", "Boston"]
+NAMES = ["Alice", "Bob", "Chen", "Dana", "Emeka", "Farah", "Gus", "Hana", "Ivan", "Julia", "Kofi", "Lena"]
+TOPICS = ["solar panels", "the Roman empire", "black holes", "sourdough bread", "electric cars", "jazz history",
+          "coral reefs", "quantum computing", "the Silk Road", "volcanoes", "honey bees", "chess openings"]
+WORDS = ["apple", "river", "window", "garden", "silver", "planet", "candle", "forest", "bridge", "thunder"]
+LANGS = ["French", "Spanish", "German", "Japanese", "Italian", "Korean", "Swahili", "Portuguese"]
+CURRENCIES = ["USD", "EUR", "JPY", "GBP", "CNY", "INR", "BRL", "CAD"]
+SYMBOLS = ["AAPL", "MSFT", "NVDA", "TSLA", "AMZN", "GOOG", "META", "IBM"]
+FILES = ["notes.txt", "report.md", "data/input.csv", "src/main.py", "config.yaml", "todo.txt", "README.md"]
+SITES = ["example.com", "news.example.org", "docs.python.org", "wiki.example.net", "blog.example.io"]
+FOODS = ["pizza", "ramen", "tacos", "curry", "salad", "sushi", "falafel", "pasta"]
+TEAMS = ["Lions", "Tigers", "Hawks", "Sharks", "Bears", "Eagles"]
+SONGS = ["Blue Moon", "Yesterday", "Clair de Lune", "Summertime", "Imagine", "Hallelujah"]
+COLORS = ["red", "green", "blue", "yellow", "purple", "orange"]
+PRIORITIES = ["low", "medium", "high"]
+UNITS = ["celsius", "fahrenheit"]
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October"]
+
+
+def _date(rng: random.Random) -> str:
+    return f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+
+
+def _time(rng: random.Random) -> str:
+    return f"{rng.randint(7, 20):02d}:{rng.choice(['00', '15', '30', '45'])}"
+
+
+def _email(rng: random.Random) -> str:
+    return f"{rng.choice(NAMES).lower()}@example.com"
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    draw: Callable[[random.Random], dict[str, Any]]  # arguments the user asks for
+    intents: tuple[str, ...]  # lower-case imperative phrases; {arg} placeholders, {arg_list} joins arrays
+    result: Callable[[random.Random, dict[str, Any]], dict[str, Any]]
+    answer: str  # final answer template over args and result fields ({r_field})
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+def _obj(props: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": required}
+
+
+def _s(desc: str, **kw: Any) -> dict[str, Any]:
+    return {"type": "string", "description": desc, **kw}
+
+
+def _n(desc: str, kind: str = "number", **kw: Any) -> dict[str, Any]:
+    return {"type": kind, "description": desc, **kw}
+
+
+def _maybe(rng: random.Random, args: dict[str, Any], key: str, value: Any, p: float = 0.4) -> dict[str, Any]:
+    if rng.random() < p:
+        args[key] = value
+    return args
+
+
+def _draw_range(rng: random.Random) -> dict[str, int]:
+    low = rng.randint(0, 50)
+    return {"min": low, "max": low + rng.randint(5, 100)}
+
+
+def build_tools() -> list[Tool]:
+    t: list[Tool] = []
+
+    def add(name, desc, params, draw, intents, result, answer):
+        t.append(Tool(name, desc, params, draw, tuple(intents), result, answer))
+
+    add("get_weather", "Get the current weather for a city.",
+        _obj({"city": _s("City name"), "unit": _s("Temperature unit", enum=UNITS)}, ["city"]),
+        lambda r: _maybe(r, {"city": r.choice(CITIES)}, "unit", r.choice(UNITS)),
+        ["check the weather in {city}", "tell me the weather in {city}", "find out how warm it is in {city}"],
+        lambda r, a: {"temperature": r.randint(-5, 35), "condition": r.choice(["sunny", "cloudy", "rainy", "windy"])},
+        "It is {r_temperature} degrees and {r_condition} in {city}.")
+    add("get_forecast", "Get a multi-day weather forecast for a city.",
+        _obj({"city": _s("City name"), "days": _n("Number of days", "integer", minimum=1, maximum=10)}, ["city", "days"]),
+        lambda r: {"city": r.choice(CITIES), "days": r.randint(2, 7)},
+        ["get the {days}-day forecast for {city}", "show the forecast for {city} for the next {days} days"],
+        lambda r, a: {"summary": r.choice(["mostly dry", "rain midweek", "warming up", "cold and clear"])},
+        "The {days}-day forecast for {city}: {r_summary}.")
+    add("web_search", "Search the web and return the top results.",
+        _obj({"query": _s("Search query"), "max_results": _n("How many results", "integer", minimum=1, maximum=20)},
+             ["query"]),
+        lambda r: _maybe(r, {"query": r.choice(TOPICS)}, "max_results", r.randint(3, 10)),
+        ["search the web for {query}", "look up {query} online", "find articles about {query}"],
+        lambda r, a: {"top_result": f"An overview of {a['query']}", "count": r.randint(3, 10)},
+        "I found {r_count} results; the top one is \"{r_top_result}\".")
+    add("fetch_url", "Fetch the contents of a web page.",
+        _obj({"url": _s("The URL to fetch", format="uri")}, ["url"]),
+        lambda r: {"url": f"https://{r.choice(SITES)}/{r.choice(WORDS)}"},
+        ["fetch {url}", "open the page at {url}", "download the page {url}"],
+        lambda r, a: {"status": 200, "title": f"{r.choice(WORDS).title()} page"},
+        "The page loaded (status {r_status}); its title is \"{r_title}\".")
+    add("calculator", "Evaluate an arithmetic expression.",
+        _obj({"expression": _s("Arithmetic expression, e.g. 2*(3+4)")}, ["expression"]),
+        lambda r: {"expression": f"{r.randint(2, 999)} {r.choice(['+', '-', '*'])} {r.randint(2, 99)}"},
+        ["calculate {expression}", "work out {expression}", "compute {expression}"],
+        lambda r, a: {"value": eval(a["expression"])},
+        "{expression} = {r_value}.")
+    add("read_file", "Read a text file from the workspace.",
+        _obj({"path": _s("File path"), "max_bytes": _n("Read at most this many bytes", "integer", minimum=1)}, ["path"]),
+        lambda r: _maybe(r, {"path": r.choice(FILES)}, "max_bytes", r.choice([512, 1024, 4096])),
+        ["read the file {path}", "show me what is in {path}", "open {path}"],
+        lambda r, a: {"content": f"{r.choice(WORDS)} {r.choice(WORDS)}", "lines": r.randint(1, 80)},
+        "{path} has {r_lines} lines; it starts with \"{r_content}\".")
+    add("write_file", "Write text to a file in the workspace.",
+        _obj({"path": _s("File path"), "content": _s("Text to write"), "append": {"type": "boolean"}}, ["path", "content"]),
+        lambda r: _maybe(r, {"path": r.choice(FILES), "content": f"{r.choice(WORDS)} {r.choice(WORDS)}"}, "append", True),
+        ["write \"{content}\" to {path}", "save the text \"{content}\" in {path}"],
+        lambda r, a: {"bytes_written": len(a["content"])},
+        "Done: wrote {r_bytes_written} bytes to {path}.")
+    add("list_directory", "List the files in a directory.",
+        _obj({"path": _s("Directory path")}, ["path"]),
+        lambda r: {"path": r.choice(["src", "data", "docs", "tests", "."])},
+        ["list the files in {path}", "show the contents of the {path} directory"],
+        lambda r, a: {"files": [r.choice(FILES) for _ in range(2)]},
+        "The {path} directory holds {r_files}.")
+    add("send_email", "Send an email.",
+        _obj({"to": {"type": "array", "items": {"type": "string"}, "description": "Recipients"},
+              "subject": _s("Subject line"), "body": _s("Message body"),
+              "cc": {"type": "array", "items": {"type": "string"}}}, ["to", "subject", "body"]),
+        lambda r: _maybe(r, {"to": [_email(r)], "subject": f"{r.choice(WORDS).title()} update",
+                             "body": f"The {r.choice(WORDS)} is ready."}, "cc", [_email(r)], 0.2),
+        ["email {to_list} with the subject \"{subject}\" saying \"{body}\"",
+         "send an email to {to_list}, subject \"{subject}\", body \"{body}\""],
+        lambda r, a: {"message_id": f"msg-{r.randint(1000, 9999)}"},
+        "Sent to {to_list} (id {r_message_id}).")
+    add("translate_text", "Translate text into another language.",
+        _obj({"text": _s("Text to translate"), "target_language": _s("Target language")}, ["text", "target_language"]),
+        lambda r: {"text": f"the {r.choice(WORDS)} is {r.choice(COLORS)}", "target_language": r.choice(LANGS)},
+        ["translate \"{text}\" into {target_language}", "say \"{text}\" in {target_language}"],
+        lambda r, a: {"translation": f"[{a['target_language']}] {a['text']}"},
+        "In {target_language}: {r_translation}.")
+    add("convert_currency", "Convert an amount between currencies.",
+        _obj({"amount": _n("Amount"), "from_currency": _s("ISO code", enum=CURRENCIES),
+              "to_currency": _s("ISO code", enum=CURRENCIES)}, ["amount", "from_currency", "to_currency"]),
+        lambda r: dict(zip(["amount", "from_currency", "to_currency"], [r.randint(5, 900), *r.sample(CURRENCIES, 2)])),
+        ["convert {amount} {from_currency} to {to_currency}", "how much is {amount} {from_currency} in {to_currency}"],
+        lambda r, a: {"converted": round(a["amount"] * r.uniform(0.5, 2.0), 2)},
+        "{amount} {from_currency} is about {r_converted} {to_currency}.")
+    add("get_stock_price", "Get the latest price of a stock.",
+        _obj({"symbol": _s("Ticker symbol")}, ["symbol"]),
+        lambda r: {"symbol": r.choice(SYMBOLS)},
+        ["get the stock price of {symbol}", "check how {symbol} is trading"],
+        lambda r, a: {"price": round(r.uniform(20, 900), 2)},
+        "{symbol} is trading at {r_price}.")
+    add("create_calendar_event", "Create a calendar event.",
+        _obj({"title": _s("Event title"),
+              "start": _obj({"date": _s("YYYY-MM-DD"), "time": _s("HH:MM")}, ["date", "time"]),
+              "duration_minutes": _n("Length", "integer", minimum=5),
+              "attendees": {"type": "array", "items": {"type": "string"}}}, ["title", "start"]),
+        lambda r: _maybe(r, {"title": f"{r.choice(WORDS).title()} sync", "start": {"date": _date(r), "time": _time(r)}},
+                         "duration_minutes", r.choice([15, 30, 60])),
+        ["schedule \"{title}\" on {start.date} at {start.time}", "put \"{title}\" on my calendar for {start.date} at {start.time}"],
+        lambda r, a: {"event_id": f"evt-{r.randint(100, 999)}"},
+        "\"{title}\" is booked for {start.date} at {start.time}.")
+    add("set_reminder", "Set a reminder.",
+        _obj({"text": _s("What to remind about"), "time": _s("HH:MM")}, ["text", "time"]),
+        lambda r: {"text": f"buy {r.choice(FOODS)}", "time": _time(r)},
+        ["remind me to {text} at {time}", "set a reminder at {time} to {text}"],
+        lambda r, a: {"ok": True},
+        "I'll remind you to {text} at {time}.")
+    add("set_timer", "Start a countdown timer.",
+        _obj({"minutes": _n("Minutes", "integer", minimum=1, maximum=600)}, ["minutes"]),
+        lambda r: {"minutes": r.randint(1, 90)},
+        ["set a timer for {minutes} minutes", "start a {minutes} minute timer"],
+        lambda r, a: {"ok": True}, "Your {minutes} minute timer is running.")
+    add("get_time", "Get the current local time in a city.",
+        _obj({"city": _s("City name")}, ["city"]),
+        lambda r: {"city": r.choice(CITIES)},
+        ["tell me the time in {city}", "check what time it is in {city}"],
+        lambda r, a: {"time": _time(r)}, "It is {r_time} in {city}.")
+    add("create_todo", "Add an item to the to-do list.",
+        _obj({"task": _s("The task"), "priority": _s("Priority", enum=PRIORITIES), "due": _s("YYYY-MM-DD")}, ["task"]),
+        lambda r: _maybe(r, {"task": f"clean the {r.choice(WORDS)}"}, "priority", r.choice(PRIORITIES)),
+        ["add \"{task}\" to my to-do list", "create a to-do item: {task}"],
+        lambda r, a: {"id": r.randint(1, 300)}, "Added \"{task}\" (item {r_id}).")
+    add("search_restaurants", "Find restaurants.",
+        _obj({"city": _s("City"), "cuisine": _s("Cuisine"), "max_price": _n("Price level 1-4", "integer", minimum=1, maximum=4)},
+             ["city", "cuisine"]),
+        lambda r: _maybe(r, {"city": r.choice(CITIES), "cuisine": r.choice(FOODS)}, "max_price", r.randint(1, 4)),
+        ["find {cuisine} places in {city}", "look for {cuisine} restaurants in {city}"],
+        lambda r, a: {"best": f"{r.choice(WORDS).title()} Kitchen", "rating": round(r.uniform(3.5, 5.0), 1)},
+        "Try {r_best} in {city}, rated {r_rating}.")
+    add("book_flight", "Book a flight.",
+        _obj({"origin": _s("From city"), "destination": _s("To city"), "date": _s("YYYY-MM-DD"),
+              "passengers": _obj({"adults": {"type": "integer", "minimum": 1}, "children": {"type": "integer", "minimum": 0}},
+                                 ["adults"])}, ["origin", "destination", "date"]),
+        lambda r: dict(zip(["origin", "destination"], r.sample(CITIES, 2)), date=_date(r)),
+        ["book a flight from {origin} to {destination} on {date}", "get me a flight {origin} to {destination} on {date}"],
+        lambda r, a: {"confirmation": f"FL{r.randint(1000, 9999)}"},
+        "Booked {origin} to {destination} on {date}, confirmation {r_confirmation}.")
+    add("book_hotel", "Book a hotel room.",
+        _obj({"city": _s("City"), "check_in": _s("YYYY-MM-DD"), "nights": _n("Nights", "integer", minimum=1)},
+             ["city", "check_in", "nights"]),
+        lambda r: {"city": r.choice(CITIES), "check_in": _date(r), "nights": r.randint(1, 9)},
+        ["book a hotel in {city} from {check_in} for {nights} nights", "reserve {nights} nights in {city} starting {check_in}"],
+        lambda r, a: {"hotel": f"Hotel {r.choice(WORDS).title()}"},
+        "You're at {r_hotel} in {city} for {nights} nights from {check_in}.")
+    add("get_directions", "Get travel directions between two places.",
+        _obj({"origin": _s("Start"), "destination": _s("End"), "mode": _s("Mode", enum=["driving", "walking", "transit"])},
+             ["origin", "destination"]),
+        lambda r: _maybe(r, dict(zip(["origin", "destination"], r.sample(CITIES, 2))), "mode", r.choice(["driving", "walking", "transit"])),
+        ["get directions from {origin} to {destination}", "how do I get from {origin} to {destination}"],
+        lambda r, a: {"minutes": r.randint(20, 900)},
+        "From {origin} to {destination} takes about {r_minutes} minutes.")
+    add("define_word", "Look up a word in the dictionary.",
+        _obj({"word": _s("The word")}, ["word"]),
+        lambda r: {"word": r.choice(WORDS)},
+        ["define the word {word}", "look up what {word} means"],
+        lambda r, a: {"definition": f"a common noun related to {a['word']}s"},
+        "{word}: {r_definition}.")
+    add("get_synonyms", "List synonyms of a word.",
+        _obj({"word": _s("The word"), "limit": {"type": "integer", "minimum": 1}}, ["word"]),
+        lambda r: {"word": r.choice(WORDS)},
+        ["give me synonyms for {word}", "find words that mean {word}"],
+        lambda r, a: {"synonyms": r.sample(WORDS, 2)}, "Synonyms of {word}: {r_synonyms}.")
+    add("get_news", "Get the latest news headlines on a topic.",
+        _obj({"topic": _s("Topic"), "language": _s("Language code", enum=["en", "fr", "de", "es"])}, ["topic"]),
+        lambda r: {"topic": r.choice(TOPICS)},
+        ["get the latest news on {topic}", "show me headlines about {topic}"],
+        lambda r, a: {"headline": f"New findings about {a['topic']}"}, "Top headline: {r_headline}.")
+    add("get_sports_score", "Get the latest score of a team.",
+        _obj({"team": _s("Team name")}, ["team"]),
+        lambda r: {"team": r.choice(TEAMS)},
+        ["get the latest score for the {team}", "check how the {team} did"],
+        lambda r, a: {"score": f"{r.randint(0, 5)}-{r.randint(0, 5)}"}, "The {team} game ended {r_score}.")
+    add("play_music", "Play a song.",
+        _obj({"song": _s("Song title"), "volume": {"type": "integer", "minimum": 0, "maximum": 100}}, ["song"]),
+        lambda r: _maybe(r, {"song": r.choice(SONGS)}, "volume", r.choice([20, 40, 60, 80])),
+        ["play {song}", "put on the song {song}"],
+        lambda r, a: {"playing": True}, "Now playing {song}.")
+    add("set_thermostat", "Set the thermostat temperature.",
+        _obj({"temperature": _n("Degrees", minimum=10, maximum=30), "room": _s("Room")}, ["temperature"]),
+        lambda r: _maybe(r, {"temperature": r.randint(16, 26)}, "room", r.choice(["kitchen", "bedroom", "office"])),
+        ["set the thermostat to {temperature} degrees", "make it {temperature} degrees"],
+        lambda r, a: {"ok": True}, "Thermostat set to {temperature} degrees.")
+    add("toggle_lights", "Turn lights on or off.",
+        _obj({"room": _s("Room"), "on": {"type": "boolean"}}, ["room", "on"]),
+        lambda r: {"room": r.choice(["kitchen", "bedroom", "office", "hall"]), "on": r.choice([True, False])},
+        ["switch the {room} lights {on_word}", "turn {on_word} the lights in the {room}"],
+        lambda r, a: {"ok": True}, "The {room} lights are {on_word}.")
+    add("get_exchange_rate", "Get the exchange rate between two currencies.",
+        _obj({"base": _s("ISO code", enum=CURRENCIES), "quote": _s("ISO code", enum=CURRENCIES)}, ["base", "quote"]),
+        lambda r: dict(zip(["base", "quote"], r.sample(CURRENCIES, 2))),
+        ["get the {base} to {quote} exchange rate", "what is the rate from {base} to {quote}"],
+        lambda r, a: {"rate": round(r.uniform(0.1, 150), 3)}, "1 {base} = {r_rate} {quote}.")
+    add("run_python", "Run a short Python snippet and return its output.",
+        _obj({"code": _s("Python source")}, ["code"]),
+        lambda r: {"code": f"print(len('{r.choice(WORDS)}'))"},
+        ["run this python: {code}", "execute the code {code}"],
+        lambda r, a: {"stdout": str(len(a["code"]) - 13)}, "It printed {r_stdout}.")
+    add("query_database", "Run a read-only SQL query.",
+        _obj({"sql": _s("SQL SELECT statement"), "limit": {"type": "integer", "minimum": 1}}, ["sql"]),
+        lambda r: {"sql": f"SELECT * FROM {r.choice(['users', 'orders', 'items'])} LIMIT {r.randint(1, 20)}"},
+        ["run the query {sql}", "query the database with {sql}"],
+        lambda r, a: {"rows": r.randint(0, 20)}, "The query returned {r_rows} rows.")
+    add("create_issue", "Open an issue in the tracker.",
+        _obj({"title": _s("Title"), "labels": {"type": "array", "items": {"type": "string"}},
+              "priority": _s("Priority", enum=PRIORITIES)}, ["title"]),
+        lambda r: _maybe(r, {"title": f"{r.choice(WORDS).title()} page crashes"}, "labels", ["bug"]),
+        ["open an issue titled \"{title}\"", "file a ticket called \"{title}\""],
+        lambda r, a: {"number": r.randint(10, 900)}, "Opened issue #{r_number}: {title}.")
+    add("get_user_profile", "Look up a user's profile.",
+        _obj({"username": _s("Username")}, ["username"]),
+        lambda r: {"username": r.choice(NAMES).lower()},
+        ["look up the profile of {username}", "get user {username}'s details"],
+        lambda r, a: {"joined": _date(r)}, "{username} joined on {r_joined}.")
+    add("send_sms", "Send a text message.",
+        _obj({"phone": _s("Phone number"), "message": _s("Text")}, ["phone", "message"]),
+        lambda r: {"phone": f"+1555{r.randint(1000000, 9999999)}", "message": f"See you at {_time(r)}"},
+        ["text {phone} saying \"{message}\"", "send an SMS to {phone}: {message}"],
+        lambda r, a: {"delivered": True}, "Message sent to {phone}.")
+    add("get_recipe", "Find a recipe.",
+        _obj({"dish": _s("Dish"), "servings": {"type": "integer", "minimum": 1}}, ["dish"]),
+        lambda r: _maybe(r, {"dish": r.choice(FOODS)}, "servings", r.randint(1, 8)),
+        ["find a recipe for {dish}", "how do I make {dish}"],
+        lambda r, a: {"minutes": r.randint(10, 90)}, "Found a {dish} recipe that takes {r_minutes} minutes.")
+    add("count_calories", "Estimate the calories in a food.",
+        _obj({"food": _s("Food"), "grams": _n("Weight in grams", minimum=1)}, ["food", "grams"]),
+        lambda r: {"food": r.choice(FOODS), "grams": r.choice([100, 150, 250, 400])},
+        ["count the calories in {grams} grams of {food}", "how many calories are in {grams} g of {food}"],
+        lambda r, a: {"kcal": r.randint(100, 900)}, "{grams} g of {food} is about {r_kcal} kcal.")
+    add("unit_convert", "Convert a quantity between units.",
+        _obj({"value": _n("Value"), "from_unit": _s("Unit"), "to_unit": _s("Unit")}, ["value", "from_unit", "to_unit"]),
+        lambda r: dict(zip(["value", "from_unit", "to_unit"], [r.randint(1, 500), *r.choice([("km", "miles"), ("kg", "pounds"), ("liters", "gallons")])])),
+        ["convert {value} {from_unit} to {to_unit}", "how many {to_unit} is {value} {from_unit}"],
+        lambda r, a: {"result": round(a["value"] * r.uniform(0.2, 2.5), 2)}, "{value} {from_unit} is {r_result} {to_unit}.")
+    add("get_population", "Get the population of a city.",
+        _obj({"city": _s("City")}, ["city"]),
+        lambda r: {"city": r.choice(CITIES)},
+        ["find the population of {city}", "check how many people live in {city}"],
+        lambda r, a: {"population": r.randint(100000, 9000000)}, "{city} has about {r_population} people.")
+    add("get_holidays", "List public holidays in a country for a month.",
+        _obj({"country": _s("Country"), "month": _s("Month", enum=MONTHS)}, ["country", "month"]),
+        lambda r: {"country": r.choice(["France", "Japan", "Kenya", "Peru", "Norway"]), "month": r.choice(MONTHS)},
+        ["list the public holidays in {country} in {month}", "check holidays for {country} during {month}"],
+        lambda r, a: {"count": r.randint(0, 3)}, "{country} has {r_count} public holidays in {month}.")
+    add("summarize_text", "Summarize a passage.",
+        _obj({"text": _s("Text"), "max_words": {"type": "integer", "minimum": 5}}, ["text"]),
+        lambda r: {"text": f"The {r.choice(WORDS)} near the {r.choice(WORDS)} was {r.choice(COLORS)} all day."},
+        ["summarize this: {text}", "give me a short summary of \"{text}\""],
+        lambda r, a: {"summary": "a short description of a scene"}, "Summary: {r_summary}.")
+    add("detect_language", "Detect the language of a text.",
+        _obj({"text": _s("Text")}, ["text"]),
+        lambda r: {"text": r.choice(["bonjour tout le monde", "hola amigos", "guten morgen", "ciao bella"])},
+        ["detect the language of \"{text}\"", "which language is \"{text}\""],
+        lambda r, a: {"language": r.choice(LANGS)}, "That is {r_language}.")
+    add("generate_password", "Generate a random password.",
+        _obj({"length": _n("Length", "integer", minimum=8, maximum=64), "symbols": {"type": "boolean"}}, ["length"]),
+        lambda r: _maybe(r, {"length": r.choice([12, 16, 20, 24])}, "symbols", True),
+        ["generate a {length} character password", "make me a password of length {length}"],
+        lambda r, a: {"password": "x" * 4 + "-redacted"}, "Here is a {length}-character password: {r_password}.")
+    add("roll_dice", "Roll dice.",
+        _obj({"count": _n("How many dice", "integer", minimum=1, maximum=10),
+              "sides": _n("Sides per die", "integer", minimum=2, maximum=100)}, ["count", "sides"]),
+        lambda r: {"count": r.randint(1, 5), "sides": r.choice([6, 8, 12, 20])},
+        ["roll {count} dice with {sides} sides", "throw {count} d{sides}"],
+        lambda r, a: {"total": r.randint(a["count"], a["count"] * a["sides"])}, "You rolled {r_total}.")
+    add("random_number", "Pick a random integer in a range.",
+        _obj({"min": {"type": "integer"}, "max": {"type": "integer"}}, ["min", "max"]),
+        _draw_range,
+        ["pick a random number between {min} and {max}", "give me a random integer from {min} to {max}"],
+        lambda r, a: {"value": r.randint(a["min"], a["max"])}, "Your number is {r_value}.")
+    add("get_movie_info", "Look up a movie.",
+        _obj({"title": _s("Movie title"), "year": {"type": "integer"}}, ["title"]),
+        lambda r: {"title": f"The {r.choice(WORDS).title()}"},
+        ["look up the movie {title}", "tell me about the film {title}"],
+        lambda r, a: {"rating": round(r.uniform(5, 9.5), 1)}, "{title} is rated {r_rating}.")
+    add("find_book", "Search for a book.",
+        _obj({"query": _s("Title or author"), "format": _s("Format", enum=["ebook", "paperback", "audio"])}, ["query"]),
+        lambda r: _maybe(r, {"query": r.choice(TOPICS)}, "format", r.choice(["ebook", "paperback", "audio"])),
+        ["find a book about {query}", "search for books on {query}"],
+        lambda r, a: {"title": f"All About {a['query'].title()}"}, "Try \"{r_title}\".")
+    add("track_package", "Track a package by tracking number.",
+        _obj({"tracking_number": _s("Tracking number")}, ["tracking_number"]),
+        lambda r: {"tracking_number": f"TRK{r.randint(100000, 999999)}"},
+        ["track package {tracking_number}", "where is my parcel {tracking_number}"],
+        lambda r, a: {"status": r.choice(["in transit", "delivered", "out for delivery"])},
+        "Package {tracking_number} is {r_status}.")
+    add("check_flight_status", "Check a flight's status.",
+        _obj({"flight_number": _s("Flight number")}, ["flight_number"]),
+        lambda r: {"flight_number": f"{r.choice(['KL', 'BA', 'JL', 'LH'])}{r.randint(10, 999)}"},
+        ["check the status of flight {flight_number}", "is flight {flight_number} on time"],
+        lambda r, a: {"status": r.choice(["on time", "delayed", "boarding"])}, "Flight {flight_number} is {r_status}.")
+    add("get_air_quality", "Get the air quality index for a city.",
+        _obj({"city": _s("City")}, ["city"]),
+        lambda r: {"city": r.choice(CITIES)},
+        ["check the air quality in {city}", "get the AQI for {city}"],
+        lambda r, a: {"aqi": r.randint(5, 180)}, "The AQI in {city} is {r_aqi}.")
+    add("create_note", "Save a note.",
+        _obj({"title": _s("Title"), "body": _s("Body"), "tags": {"type": "array", "items": {"type": "string"}}}, ["title", "body"]),
+        lambda r: _maybe(r, {"title": f"{r.choice(WORDS).title()} ideas", "body": f"try {r.choice(FOODS)}"}, "tags", [r.choice(WORDS)]),
+        ["save a note called \"{title}\" that says \"{body}\"", "make a note \"{title}\": {body}"],
+        lambda r, a: {"id": r.randint(1, 500)}, "Saved note \"{title}\".")
+    add("search_contacts", "Search the address book.",
+        _obj({"name": _s("Name")}, ["name"]),
+        lambda r: {"name": r.choice(NAMES)},
+        ["find {name} in my contacts", "look up {name}'s contact details"],
+        lambda r, a: {"email": f"{a['name'].lower()}@example.com"}, "{name}'s email is {r_email}.")
+    add("schedule_meeting", "Schedule a meeting with people.",
+        _obj({"participants": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+              "date": _s("YYYY-MM-DD"), "topic": _s("Topic")}, ["participants", "date"]),
+        lambda r: {"participants": r.sample(NAMES, 2), "date": _date(r)},
+        ["set up a meeting with {participants_list} on {date}", "schedule time with {participants_list} on {date}"],
+        lambda r, a: {"room": f"Room {r.randint(1, 40)}"}, "Meeting on {date} in {r_room}.")
+    add("get_traffic", "Get traffic conditions on a road.",
+        _obj({"road": _s("Road name"), "city": _s("City")}, ["road", "city"]),
+        lambda r: {"road": f"{r.choice(WORDS).title()} Street", "city": r.choice(CITIES)},
+        ["check traffic on {road} in {city}", "how busy is {road} in {city}"],
+        lambda r, a: {"delay_minutes": r.randint(0, 45)}, "{road} has {r_delay_minutes} minutes of delay.")
+    add("get_sunrise", "Get sunrise and sunset times.",
+        _obj({"city": _s("City"), "date": _s("YYYY-MM-DD")}, ["city", "date"]),
+        lambda r: {"city": r.choice(CITIES), "date": _date(r)},
+        ["get sunrise time in {city} on {date}", "when does the sun rise in {city} on {date}"],
+        lambda r, a: {"sunrise": _time(r)}, "Sunrise in {city} on {date} is at {r_sunrise}.")
+    add("compress_files", "Compress files into an archive.",
+        _obj({"paths": {"type": "array", "items": {"type": "string"}}, "format": _s("Archive format", enum=["zip", "tar.gz"])},
+             ["paths", "format"]),
+        lambda r: {"paths": r.sample(FILES, 2), "format": r.choice(["zip", "tar.gz"])},
+        ["compress {paths_list} into a {format}", "pack {paths_list} as {format}"],
+        lambda r, a: {"archive": f"archive.{a['format']}"}, "Created {r_archive}.")
+    add("delete_file", "Delete a file.",
+        _obj({"path": _s("File path")}, ["path"]),
+        lambda r: {"path": r.choice(FILES)},
+        ["delete {path}", "remove the file {path}"],
+        lambda r, a: {"deleted": True}, "{path} is deleted.")
+    add("git_commit", "Commit staged changes.",
+        _obj({"message": _s("Commit message"), "amend": {"type": "boolean"}}, ["message"]),
+        lambda r: {"message": f"fix {r.choice(WORDS)} handling"},
+        ["commit with the message \"{message}\"", "make a git commit: {message}"],
+        lambda r, a: {"sha": f"{r.randint(0x100000, 0xffffff):x}"}, "Committed as {r_sha}.")
+    add("resize_image", "Resize an image.",
+        _obj({"path": _s("Image path"), "width": {"type": "integer", "minimum": 1}, "height": {"type": "integer", "minimum": 1}},
+             ["path", "width", "height"]),
+        lambda r: {"path": f"{r.choice(WORDS)}.png", "width": r.choice([256, 640, 1024]), "height": r.choice([256, 480, 768])},
+        ["resize {path} to {width} by {height}", "scale {path} to {width}x{height}"],
+        lambda r, a: {"ok": True}, "{path} is now {width}x{height}.")
+    add("get_crypto_price", "Get the price of a cryptocurrency.",
+        _obj({"coin": _s("Coin", enum=["bitcoin", "ether", "solana", "dogecoin"]), "currency": _s("Quote currency", enum=CURRENCIES)},
+             ["coin"]),
+        lambda r: _maybe(r, {"coin": r.choice(["bitcoin", "ether", "solana", "dogecoin"])}, "currency", r.choice(CURRENCIES)),
+        ["get the price of {coin}", "check what {coin} costs"],
+        lambda r, a: {"price": round(r.uniform(0.1, 90000), 2)}, "{coin} is at {r_price}.")
+    add("calculate_tip", "Calculate a tip.",
+        _obj({"bill": _n("Bill amount", minimum=0), "percent": _n("Tip percent", minimum=0, maximum=100)}, ["bill", "percent"]),
+        lambda r: {"bill": r.randint(10, 300), "percent": r.choice([10, 15, 18, 20])},
+        ["work out a {percent} percent tip on {bill}", "what's a {percent}% tip on a bill of {bill}"],
+        lambda r, a: {"tip": round(a["bill"] * a["percent"] / 100, 2)}, "A {percent}% tip on {bill} is {r_tip}.")
+    add("get_bmi", "Compute body mass index.",
+        _obj({"weight_kg": _n("Weight in kg", minimum=1), "height_cm": _n("Height in cm", minimum=30)}, ["weight_kg", "height_cm"]),
+        lambda r: {"weight_kg": r.randint(45, 120), "height_cm": r.randint(150, 200)},
+        ["compute the BMI for {weight_kg} kg and {height_cm} cm", "what is my BMI at {weight_kg} kg, {height_cm} cm"],
+        lambda r, a: {"bmi": round(a["weight_kg"] / (a["height_cm"] / 100) ** 2, 1)}, "Your BMI is {r_bmi}.")
+    add("order_food", "Order food for delivery.",
+        _obj({"dish": _s("Dish"), "quantity": {"type": "integer", "minimum": 1}, "address": _s("Delivery address")},
+             ["dish", "quantity"]),
+        lambda r: {"dish": r.choice(FOODS), "quantity": r.randint(1, 4)},
+        ["order {quantity} {dish}", "get {quantity} portions of {dish} delivered"],
+        lambda r, a: {"eta_minutes": r.randint(15, 60)}, "{quantity} {dish} on the way, about {r_eta_minutes} minutes.")
+    add("check_spelling", "Check the spelling of a text.",
+        _obj({"text": _s("Text")}, ["text"]),
+        lambda r: {"text": f"the {r.choice(WORDS)}s are {r.choice(['recieved', 'definately', 'seperate', 'fine'])}"},
+        ["check the spelling of \"{text}\"", "spell-check \"{text}\""],
+        lambda r, a: {"errors": r.randint(0, 2)}, "I found {r_errors} spelling errors.")
+    add("get_timezone", "Get the time zone of a city.",
+        _obj({"city": _s("City")}, ["city"]),
+        lambda r: {"city": r.choice(CITIES)},
+        ["find the time zone of {city}", "which time zone is {city} in"],
+        lambda r, a: {"zone": f"UTC{r.choice(['+1', '+2', '+9', '-5', '-7', '+3'])}"}, "{city} is in {r_zone}.")
+    return t
+
+
+WRAPPERS_TRAIN = (
+    "{Intent}.", "Please {intent}.", "Can you {intent}?", "Could you {intent}?", "I need you to {intent}.",
+    "Hey, {intent}.", "{Intent}, please.", "Would you {intent}?", "Go ahead and {intent}.", "Quick one: {intent}.",
+)
+WRAPPERS_HELDOUT = (
+    "I'd like you to {intent}.", "Mind if I ask you to {intent}?", "When you get a moment, {intent}.",
+    "Help me out and {intent}.", "Kindly {intent}.",
+)
+TWO_TASK_JOINERS_TRAIN = ("{a} and {b}", "{a}, and also {b}", "{a}; then {b}")
+TWO_TASK_JOINERS_HELDOUT = ("{a} as well as {b}",)
+
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.", "You are a concise assistant with access to tools.",
+    "You are Kimi, an AI assistant created by Moonshot AI.", "Answer briefly. Use tools when they help.",
+)
+
+# Plain chats: (user phrasings, answer). Answers are short and end the turn.
+PLAIN_CHATS = (
+    (("Hi!", "Hello there.", "Hey, how are you?", "Good morning!"), "Hello! How can I help you today?"),
+    (("Thanks!", "Thank you so much.", "Great, thanks."), "You're welcome!"),
+    (("Who are you?", "What are you?", "Tell me about yourself."),
+     "I am a small assistant model. I can chat briefly and call the tools you give me."),
+    (("Tell me a joke.", "Say something funny.", "Make me laugh."),
+     "Why did the scarecrow win an award? Because he was outstanding in his field."),
+    (("What can you do?", "How can you help me?", "What are your skills?"),
+     "I can answer simple questions and use tools such as search, weather or email when they are declared."),
+    (("Bye!", "Goodbye.", "See you later."), "Goodbye! Have a nice day."),
+    (("What is the capital of France?", "Name the capital of France."), "The capital of France is Paris."),
+    (("What color is the sky?", "Why is the sky blue?"), "The sky looks blue because air scatters blue light the most."),
+    (("How many days are in a week?", "How long is a week?"), "A week has seven days."),
+    (("Give me a word that rhymes with cat.", "What rhymes with cat?"), "Hat rhymes with cat."),
+    (("Is water wet?", "Can water be wet?"), "Water makes things wet; whether water itself is wet is a matter of definition."),
+    (("Recommend a hobby.", "What hobby should I try?"), "Try sketching: it needs only a pencil and paper."),
+)
+PLAIN_CHATS_HELDOUT = (
+    (("Yo, what's up?", "Howdy!"), "Hello! How can I help you today?"),
+    (("Much appreciated.", "Cheers for that."), "You're welcome!"),
+    (("Which city is the capital of France?",), "The capital of France is Paris."),
+)
+
+
+@dataclass
+class Phrasing:
+    wrappers: tuple[str, ...]
+    joiners: tuple[str, ...]
+    plain: tuple = field(default_factory=tuple)
+
+
+def phrasing(split: str) -> Phrasing:
+    if split == "train":
+        return Phrasing(WRAPPERS_TRAIN, TWO_TASK_JOINERS_TRAIN, PLAIN_CHATS)
+    if split == "heldout":
+        return Phrasing(WRAPPERS_HELDOUT, TWO_TASK_JOINERS_HELDOUT, PLAIN_CHATS_HELDOUT)
+    raise ValueError(f"unknown split {split!r}; expected 'train' or 'heldout'")

@@ -1,0 +1,68 @@
+"""The synthetic tool-use data behind the embedded chat model (scripts/gen_tool_data.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from gen_tool_data import generate
+from tool_data_pool import WRAPPERS_HELDOUT, WRAPPERS_TRAIN, build_tools
+
+from kserve.chat import parse_tool_output, render_prompt
+
+
+def test_pool_has_sixty_varied_tools_with_the_common_agent_ones():
+    tools = build_tools()
+    names = {t.name for t in tools}
+    assert len(tools) >= 60 and len(names) == len(tools)
+    for must in ("web_search", "fetch_url", "get_weather", "calculator", "read_file", "write_file", "send_email"):
+        assert must in names
+    kinds = json.dumps([t.parameters for t in tools])
+    for kind in ('"enum"', '"array"', '"integer"', '"number"', '"boolean"', '"object", "properties"'):
+        assert kind in kinds
+
+
+def test_same_seed_same_data_and_other_seed_differs():
+    assert generate(3, 40) == generate(3, 40)
+    assert generate(3, 40) != generate(4, 40)
+
+
+def test_heldout_phrasings_are_never_used_for_training():
+    assert not set(WRAPPERS_TRAIN) & set(WRAPPERS_HELDOUT)
+
+
+@pytest.mark.parametrize("split", ["train", "heldout"])
+def test_calls_are_schema_valid_and_render_as_k2_parses_them(split):
+    rows = generate(0, 150, split)
+    assert {r["expect"]["kind"] for r in rows} == {"tool_calls", "text"}
+    by_name = {t.name: t for t in build_tools()}
+    for row in rows:
+        # the spans cut the rendered text exactly at assistant turns
+        assert row["text"] == render_prompt(row["messages"], row["tools"] or None, add_generation_prompt=False)
+        assistants = [m for m in row["messages"] if m["role"] == "assistant"]
+        assert len(row["spans"]) == len(assistants)
+        for (start, end), message in zip(row["spans"], assistants):
+            turn = row["text"][start:end]
+            assert turn.endswith("<|im_end|>")
+            if message.get("tool_calls"):
+                parsed = parse_tool_output(turn[: -len("<|im_end|>")])
+                assert [c.name for c in parsed.calls] == [c["function"]["name"] for c in message["tool_calls"]]
+        if row["expect"]["kind"] == "tool_calls":
+            declared = {t["function"]["name"] for t in row["tools"]}
+            for call in row["expect"]["calls"]:
+                assert call["name"] in declared
+                jsonschema.validate(call["arguments"], by_name[call["name"]].parameters)
+                # every argument value the call carries is named in the user's request
+                user = row["messages"][row["eval_turn"] - 1]["content"]
+                for value in call["arguments"].values():
+                    for leaf in value if isinstance(value, list) else [value]:
+                        if isinstance(leaf, dict):
+                            continue
+                        if not isinstance(leaf, bool):
+                            assert str(leaf) in user, (leaf, user)
