@@ -1,0 +1,423 @@
+"""Paged MLA decode attention in the absorbed form: one query token per sequence.
+
+After W_UK is absorbed into the query, decode attention of MLA is multi-query attention with a single
+shared key/value head of width C + R (K2: kv_lora_rank C = 512, qk_rope_head_dim R = 64, so 576):
+
+    score[b, h, t] = scale * (q_lat[b, h] . c_kv[t] + q_pe[b, h] . k_pe[t])
+    o_lat[b, h]    = sum_t softmax_t(score[b, h, :]) * c_kv[t]
+
+where the cache row of token t (one layer, [num_blocks, block_size, C + R]) is c_kv[t] followed by
+k_pe[t], and token t of sequence b lives at block block_tables[b, t // block_size], offset
+t % block_size. An FP8 (float8_e4m3fn) cache stores latent / kv_scale, so every cached value is
+`stored * kv_scale`; the kernels fold kv_scale into the softmax scale and into the output instead of
+dequantizing the tiles. A row whose context length is 0 (a padding row of a CUDA-graph batch) gives
+zeros. Output is fp32; the caller casts.
+
+Public entry points
+- `mla_decode(...)`: what model code calls. Checks shapes and dtypes (never data), then calls the
+  custom op `torch.ops.kserve.mla_decode`, whose fake implementation lets a decode forward be traced
+  under FakeTensorMode / `torch.compile(fullgraph=True)`. The op runs the Triton kernel on CUDA (FP8
+  caches need sm89+, where Triton loads float8e4nv) and `mla_decode_torch` otherwise.
+- `mla_decode_torch(...)`: the reference and the CPU path. Loop-free within a chunk of blocks, no
+  host reads (the number of blocks comes from the block table's shape); a long padded context is
+  walked in chunks with an online-softmax merge so that no sequence's whole padded context is held.
+- `mla_decode_triton(...)`: the Triton kernel, also run under TRITON_INTERPRET=1 in the tests with
+  fp32/fp16 caches (and fp32 containers holding FP8 values for the FP8 case).
+
+Triton kernel design (tuned by reasoning for H200 / sm90; there was no GPU to measure on here)
+- Grid (batch, head tiles, KV splits). A program takes BLOCK_H = 16 heads of one sequence (16 is the
+  smallest M of a tensor-core MMA; K2 at TP8 has 8 heads per rank, so one tile covers them all and
+  each latent row is read from HBM once per step, which is the point of MQA) and one contiguous piece
+  of that sequence's context. Heads beyond H are masked.
+- Each sequence's own context is cut into `num_splits` pieces (rounded up to BLOCK_N tokens) on the
+  device, so short and long sequences both spread over all splits. `num_splits` comes from shapes
+  only (batch, head tiles, block-table width), so it is fixed for a CUDA graph: enough programs for
+  about two waves over the SMs (132 on H200), at least MIN_TOKENS_PER_SPLIT tokens per split so the
+  merge stays cheap next to the KV read, at most MAX_SPLITS. At batch >= ~2 x SMs / head tiles there
+  is one split, written straight to the output with no merge.
+- BLOCK_N = 32 tokens per step: a [32, 576] bf16 tile is 36 KiB, two stages of it fit H200's shared
+  memory next to the q tile, and the [16, 512] fp32 accumulator over 4 warps is 64 registers a thread.
+  The tile is loaded once in its natural (coalesced) layout and used both transposed (for Q.K) and
+  as is (for P.V): c_kv is both key and value.
+- Dots run in the query's dtype (bf16 in the model) with fp32 accumulation; the softmax runs in fp32
+  in the exp2 domain. fp32 queries use IEEE fp32 dots (no TF32), so fp32 parity runs stay exact.
+- Splits store a normalized partial output and its log-sum-exp (base 2); a second small kernel
+  merges them per (sequence, head), with an all-empty row (context 0) merging to zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+_FP8_DTYPES = (torch.float8_e4m3fn,)
+_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + _FP8_DTYPES
+_QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LOG2E = 1.4426950408889634
+
+# Elements of gathered latents the torch path holds at once (fp32: 64 MiB).
+TORCH_CHUNK_ELEMENTS = 1 << 24
+
+
+def check_decode_inputs(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    kv_scale: float,
+) -> None:
+    """Raise ValueError naming the offending tensor or number. Reads shapes and dtypes only."""
+    if q_lat.dim() != 3:
+        raise ValueError(f"q_lat must be [batch, heads, kv_lora_rank], got shape {tuple(q_lat.shape)}")
+    batch, heads, latent_dim = q_lat.shape
+    if q_pe.dim() != 3 or q_pe.shape[:2] != q_lat.shape[:2]:
+        raise ValueError(
+            f"q_pe must be [batch, heads, rope_dim] with batch, heads = {batch}, {heads}; got {tuple(q_pe.shape)}"
+        )
+    rope_dim = q_pe.shape[2]
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != latent_dim + rope_dim:
+        raise ValueError(
+            f"kv_cache must be [num_blocks, block_size, {latent_dim} + {rope_dim}], got {tuple(kv_cache.shape)}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [{batch}, max_blocks], got {tuple(block_tables.shape)}")
+    if context_lens.dim() != 1 or context_lens.shape[0] != batch:
+        raise ValueError(f"context_lens must be [{batch}], got {tuple(context_lens.shape)}")
+    if block_tables.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_tables must be int32 or int64, got {block_tables.dtype}")
+    if context_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"context_lens must be int32 or int64, got {context_lens.dtype}")
+    if q_lat.dtype not in _QUERY_DTYPES or q_pe.dtype not in _QUERY_DTYPES:
+        raise ValueError(f"q_lat/q_pe must be fp32, fp16 or bf16, got {q_lat.dtype} and {q_pe.dtype}")
+    if kv_cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not one of {_CACHE_DTYPES}")
+    devices = {t.device for t in (q_lat, q_pe, kv_cache, block_tables, context_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"q_lat, q_pe, kv_cache, block_tables and context_lens must share a device, got {devices}")
+    if kv_cache.shape[0] > 0 and kv_cache.stride(2) != 1:
+        raise ValueError("kv_cache's last dimension must be contiguous")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    if not (isinstance(kv_scale, (int, float)) and math.isfinite(kv_scale) and kv_scale > 0):
+        raise ValueError(f"kv_scale must be a positive finite float, got {kv_scale!r}")
+
+
+def mla_decode_torch(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    kv_scale: float = 1.0,
+    chunk_elements: int = TORCH_CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """Reference and CPU path. Returns o_lat [B, H, C] fp32; zeros for rows with context 0."""
+    batch, heads, latent_dim = q_lat.shape
+    width = kv_cache.shape[-1]
+    block_size = kv_cache.shape[1]
+    max_blocks = block_tables.shape[1]
+    out = torch.zeros(batch, heads, latent_dim, dtype=torch.float32, device=q_lat.device)
+    if batch == 0 or heads == 0 or max_blocks == 0:
+        return out
+    # One fused query over the 576-wide latent row: scores are q . row, and the output is p . row
+    # (its first C columns), which avoids copying the c_kv slice of the gathered rows.
+    query = torch.cat([q_lat.float(), q_pe.float()], dim=-1)  # [B, H, D]
+    flat = kv_cache.view(-1, width)
+    tables = block_tables.long().clamp(min=0)
+    lens = context_lens.long()[:, None]
+    blocks_per_chunk = max(1, min(max_blocks, chunk_elements // max(1, batch * block_size * width)))
+    offsets = torch.arange(blocks_per_chunk * block_size, device=q_lat.device)
+    qk_scale = scale * kv_scale
+
+    running_max = running_sum = None
+    for first in range(0, max_blocks, blocks_per_chunk):
+        count = min(blocks_per_chunk, max_blocks - first)
+        pos = offsets[: count * block_size]
+        slots = tables[:, first + pos // block_size] * block_size + pos % block_size  # [B, N]
+        rows = flat[slots].float()  # [B, N, D]
+        scores = torch.bmm(query, rows.transpose(1, 2)) * qk_scale  # [B, H, N]
+        valid = (first * block_size + pos)[None, :] < lens  # [B, N]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        chunk_max = scores.amax(dim=-1, keepdim=True)
+        if running_max is None:
+            new_max = chunk_max
+        else:
+            new_max = torch.maximum(running_max, chunk_max)
+        # all-masked rows keep a -inf maximum; a finite stand-in makes their weights exp(-inf) = 0
+        safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+        probs = torch.exp(scores - safe_max)
+        chunk_out = torch.bmm(probs, rows)[..., :latent_dim]
+        if running_max is None:
+            out, running_sum = chunk_out, probs.sum(dim=-1, keepdim=True)
+        else:
+            rescale = torch.exp(running_max - safe_max)
+            out = out * rescale + chunk_out
+            running_sum = running_sum * rescale + probs.sum(dim=-1, keepdim=True)
+        running_max = new_max
+    denom = torch.where(running_sum > 0, running_sum, torch.ones_like(running_sum))
+    return out / denom * kv_scale
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How the Triton kernel is launched for one shape."""
+
+    block_h: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+BLOCK_H = 16
+BLOCK_N = 32
+MIN_TOKENS_PER_SPLIT = 128
+MAX_SPLITS = 64
+DEFAULT_NUM_SMS = 132  # H200; used when no CUDA device is queried (the interpreter)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_launch(
+    batch: int, heads: int, max_context: int, num_sms: int = DEFAULT_NUM_SMS, num_splits: int | None = None
+) -> DecodeLaunch:
+    """Pick tiles and the KV split count from shapes only (fixed for a CUDA graph of that shape)."""
+    head_tiles = -(-heads // BLOCK_H)
+    if num_splits is None:
+        programs = max(1, batch * head_tiles)
+        wanted = -(-2 * num_sms // programs)
+        by_length = max(1, -(-max_context // MIN_TOKENS_PER_SPLIT))
+        num_splits = max(1, min(wanted, by_length, MAX_SPLITS))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return DecodeLaunch(block_h=BLOCK_H, block_n=BLOCK_N, num_splits=num_splits, num_warps=4, num_stages=2)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def mla_decode_split_kernel(
+        q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, lse_ptr,
+        num_heads, max_blocks, qk_scale_log2, value_scale,
+        stride_qlat_b, stride_qlat_h, stride_qpe_b, stride_qpe_h,
+        stride_cache_block, stride_cache_slot, stride_table_b,
+        stride_out_b, stride_out_h, stride_out_s, stride_lse_b, stride_lse_h,
+        LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, STORE_LSE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        head_tile = tl.program_id(1)
+        split = tl.program_id(2)
+
+        offs_h = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < num_heads
+        offs_c = tl.arange(0, BLOCK_C)
+        mask_c = offs_c < LATENT_DIM
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < ROPE_DIM
+
+        q_lat = tl.load(
+            q_lat_ptr + seq * stride_qlat_b + offs_h[:, None] * stride_qlat_h + offs_c[None, :],
+            mask=mask_h[:, None] & mask_c[None, :], other=0.0,
+        )
+        q_pe = tl.load(
+            q_pe_ptr + seq * stride_qpe_b + offs_h[:, None] * stride_qpe_h + offs_r[None, :],
+            mask=mask_h[:, None] & mask_r[None, :], other=0.0,
+        ).to(q_lat.dtype)
+
+        context = tl.minimum(tl.load(context_lens_ptr + seq).to(tl.int32), max_blocks * PAGE_SIZE)
+        per_split = tl.cdiv(tl.cdiv(context, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, context)
+
+        row_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+        for tile in range(start, end, BLOCK_N):
+            offs_n = tile + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            block = tl.load(
+                block_tables_ptr + seq * stride_table_b + offs_n // PAGE_SIZE, mask=mask_n, other=0
+            ).to(tl.int64)
+            rows = cache_ptr + block * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_slot
+            latent = tl.load(
+                rows[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0
+            ).to(q_lat.dtype)
+            k_pe = tl.load(
+                rows[:, None] + LATENT_DIM + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0
+            ).to(q_lat.dtype)
+            if IEEE_DOT:
+                qk = tl.dot(q_lat, tl.trans(latent), input_precision="ieee")
+                qk += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+            else:
+                qk = tl.dot(q_lat, tl.trans(latent))
+                qk += tl.dot(q_pe, tl.trans(k_pe))
+            qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(qk, axis=1))
+            rescale = tl.exp2(row_max - new_max)
+            probs = tl.exp2(qk - new_max[:, None])
+            row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+            if IEEE_DOT:
+                acc = acc * rescale[:, None] + tl.dot(probs, latent, input_precision="ieee")
+            else:
+                acc = acc * rescale[:, None] + tl.dot(probs.to(latent.dtype), latent)
+            row_max = new_max
+
+        has_tokens = row_sum > 0
+        out = acc / tl.where(has_tokens, row_sum, 1.0)[:, None] * value_scale
+        tl.store(
+            out_ptr + seq * stride_out_b + offs_h[:, None] * stride_out_h + split * stride_out_s + offs_c[None, :],
+            out, mask=mask_h[:, None] & mask_c[None, :],
+        )
+        if STORE_LSE:
+            lse = tl.where(has_tokens, row_max + tl.log2(tl.where(has_tokens, row_sum, 1.0)), float("-inf"))
+            tl.store(lse_ptr + seq * stride_lse_b + offs_h * stride_lse_h + split, lse, mask=mask_h)
+
+    @triton.jit
+    def mla_decode_merge_kernel(
+        part_ptr, lse_ptr, out_ptr,
+        stride_part_b, stride_part_h, stride_part_s, stride_lse_b, stride_lse_h, stride_out_b, stride_out_h,
+        LATENT_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        mask_s = offs_s < NUM_SPLITS
+        lse = tl.load(lse_ptr + seq * stride_lse_b + head * stride_lse_h + offs_s, mask=mask_s, other=float("-inf"))
+        top = tl.max(lse, axis=0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        weights = tl.exp2(lse - top)
+        total = tl.sum(weights, axis=0)
+        weights = weights / tl.where(total > 0, total, 1.0)
+        for first in range(0, LATENT_DIM, BLOCK_C):
+            offs_c = first + tl.arange(0, BLOCK_C)
+            mask_c = offs_c < LATENT_DIM
+            part = tl.load(
+                part_ptr + seq * stride_part_b + head * stride_part_h + offs_s[:, None] * stride_part_s + offs_c[None, :],
+                mask=mask_s[:, None] & mask_c[None, :], other=0.0,
+            )
+            merged = tl.sum(part * weights[:, None], axis=0)
+            tl.store(out_ptr + seq * stride_out_b + head * stride_out_h + offs_c, merged, mask=mask_c)
+
+    return mla_decode_split_kernel, mla_decode_merge_kernel
+
+
+def mla_decode_triton(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    kv_scale: float = 1.0,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """The Triton kernel; o_lat [B, H, C] fp32. `num_splits` overrides the shape heuristic (tests)."""
+    import triton
+
+    batch, heads, latent_dim = q_lat.shape
+    rope_dim = q_pe.shape[2]
+    block_size = kv_cache.shape[1]
+    max_blocks = block_tables.shape[1]
+    out = torch.empty(batch, heads, latent_dim, dtype=torch.float32, device=q_lat.device)
+    if batch == 0 or heads == 0:
+        return out
+    if max_blocks == 0:
+        return out.zero_()
+    q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    block_tables = block_tables.contiguous()
+    context_lens = context_lens.contiguous()
+    num_sms = _num_sms(q_lat.device.index or 0) if q_lat.is_cuda else DEFAULT_NUM_SMS
+    launch = choose_launch(batch, heads, max_blocks * block_size, num_sms, num_splits)
+    splits = launch.num_splits
+    if splits == 1:
+        partial, lse = out.unsqueeze(2), out  # lse is not stored with one split
+    else:
+        partial = torch.empty(batch, heads, splits, latent_dim, dtype=torch.float32, device=q_lat.device)
+        lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q_lat.device)
+    split_kernel, merge_kernel = _kernels()
+    grid = (batch, triton.cdiv(heads, launch.block_h), splits)
+    split_kernel[grid](
+        q_lat, q_pe, kv_cache, block_tables, context_lens, partial, lse,
+        heads, max_blocks, float(scale * kv_scale * _LOG2E), float(kv_scale),
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, PAGE_SIZE=block_size,
+        BLOCK_C=triton.next_power_of_2(latent_dim), BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
+        BLOCK_H=launch.block_h, BLOCK_N=launch.block_n,
+        NUM_SPLITS=splits, STORE_LSE=splits > 1, IEEE_DOT=q_lat.dtype == torch.float32,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )
+    if splits > 1:
+        merge_kernel[(batch, heads)](
+            partial, lse, out,
+            partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            LATENT_DIM=latent_dim, NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            BLOCK_C=min(128, triton.next_power_of_2(latent_dim)),
+            num_warps=4,
+        )
+    return out
+
+
+def _triton_runs(kv_cache: torch.Tensor) -> bool:
+    if not kv_cache.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    if kv_cache.dtype in _FP8_DTYPES:
+        return torch.cuda.get_device_capability(kv_cache.device) >= (8, 9)
+    return True
+
+
+@torch.library.custom_op("kserve::mla_decode", mutates_args=())
+def _mla_decode_op(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    kv_scale: float,
+) -> torch.Tensor:
+    if _triton_runs(kv_cache):
+        return mla_decode_triton(q_lat, q_pe, kv_cache, block_tables, context_lens, scale, kv_scale)
+    return mla_decode_torch(q_lat, q_pe, kv_cache, block_tables, context_lens, scale, kv_scale)
+
+
+@_mla_decode_op.register_fake
+def _mla_decode_fake(q_lat, q_pe, kv_cache, block_tables, context_lens, scale, kv_scale):
+    return q_lat.new_empty(q_lat.shape, dtype=torch.float32)
+
+
+def mla_decode(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    kv_scale: float = 1.0,
+) -> torch.Tensor:
+    """Absorbed MLA decode over the paged latent cache; o_lat [B, H, C] fp32 (see the module doc)."""
+    check_decode_inputs(q_lat, q_pe, kv_cache, block_tables, context_lens, scale, kv_scale)
+    return torch.ops.kserve.mla_decode(
+        q_lat, q_pe, kv_cache, block_tables, context_lens, float(scale), float(kv_scale)
+    )
