@@ -25,10 +25,12 @@ Public entry points
   fp32/fp16 caches (and fp32 containers holding FP8 values for the FP8 case).
 
 Triton kernel design (tuned by reasoning for H200 / sm90; there was no GPU to measure on here)
-- Grid (batch, head tiles, KV splits). A program takes BLOCK_H = 16 heads of one sequence (16 is the
+- Grid (head tiles, batch, KV splits). A program takes BLOCK_H = 16 heads of one sequence (16 is the
   smallest M of a tensor-core MMA; K2 at TP8 has 8 heads per rank, so one tile covers them all and
   each latent row is read from HBM once per step, which is the point of MQA) and one contiguous piece
-  of that sequence's context. Heads beyond H are masked.
+  of that sequence's context. Heads beyond H are masked. Head tiles are the fastest grid axis, so
+  with more heads (64 without TP) the tiles of one sequence run side by side and share its latent
+  rows through L2 rather than each fetching them from HBM.
 - Each sequence's own context is cut into `num_splits` pieces (rounded up to BLOCK_N tokens) on the
   device, so short and long sequences both spread over all splits. `num_splits` comes from shapes
   only (batch, head tiles, block-table width), so it is fixed for a CUDA graph: enough programs for
@@ -128,40 +130,40 @@ def mla_decode_torch(
     # One fused query over the 576-wide latent row: scores are q . row, and the output is p . row
     # (its first C columns), which avoids copying the c_kv slice of the gathered rows.
     query = torch.cat([q_lat.float(), q_pe.float()], dim=-1)  # [B, H, D]
-    flat = kv_cache.view(-1, width)
     tables = block_tables.long().clamp(min=0)
-    lens = context_lens.long()[:, None]
+    lens = context_lens.long()[:, None, None]
     blocks_per_chunk = max(1, min(max_blocks, chunk_elements // max(1, batch * block_size * width)))
     offsets = torch.arange(blocks_per_chunk * block_size, device=q_lat.device)
     qk_scale = scale * kv_scale
+    lowest = torch.finfo(torch.float32).min
 
     running_max = running_sum = None
     for first in range(0, max_blocks, blocks_per_chunk):
         count = min(blocks_per_chunk, max_blocks - first)
-        pos = offsets[: count * block_size]
-        slots = tables[:, first + pos // block_size] * block_size + pos % block_size  # [B, N]
-        rows = flat[slots].float()  # [B, N, D]
-        scores = torch.bmm(query, rows.transpose(1, 2)) * qk_scale  # [B, H, N]
-        valid = (first * block_size + pos)[None, :] < lens  # [B, N]
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        chunk_max = scores.amax(dim=-1, keepdim=True)
-        if running_max is None:
-            new_max = chunk_max
-        else:
-            new_max = torch.maximum(running_max, chunk_max)
-        # all-masked rows keep a -inf maximum; a finite stand-in makes their weights exp(-inf) = 0
-        safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-        probs = torch.exp(scores - safe_max)
+        # whole blocks at a time: one index_select of contiguous block_size x D tiles
+        ids = tables[:, first : first + count].reshape(-1)
+        rows = kv_cache.index_select(0, ids).view(batch, count * block_size, width).float()  # [B, N, D]
+        scores = torch.bmm(query, rows.transpose(1, 2)).mul_(qk_scale)  # [B, H, N]
+        invalid = (first * block_size + offsets[: count * block_size])[None, None, :] >= lens  # [B, 1, N]
+        scores.masked_fill_(invalid, float("-inf"))
+        new_max = scores.amax(dim=-1, keepdim=True)
+        if running_max is not None:
+            new_max = torch.maximum(running_max, new_max)
+        # rows with no valid token so far keep a -inf maximum; clamping it to the lowest finite
+        # float leaves real maxima unchanged and turns their weights into exp(-inf) = 0, not NaN
+        new_max = new_max.clamp(min=lowest)
+        probs = torch.exp(scores.sub_(new_max))
         chunk_out = torch.bmm(probs, rows)[..., :latent_dim]
         if running_max is None:
             out, running_sum = chunk_out, probs.sum(dim=-1, keepdim=True)
         else:
-            rescale = torch.exp(running_max - safe_max)
+            rescale = torch.exp(running_max - new_max)
             out = out * rescale + chunk_out
             running_sum = running_sum * rescale + probs.sum(dim=-1, keepdim=True)
         running_max = new_max
-    denom = torch.where(running_sum > 0, running_sum, torch.ones_like(running_sum))
-    return out / denom * kv_scale
+    # a row with any valid token has a sum >= 1 (its maximum contributes exp(0)); an empty row has
+    # a zero sum and a zero numerator, so clamping the sum to 1 returns its zeros
+    return out * (kv_scale / running_sum.clamp(min=1.0))
 
 
 @dataclass(frozen=True)
@@ -218,8 +220,9 @@ def _kernels():
         BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, STORE_LSE: tl.constexpr, IEEE_DOT: tl.constexpr,
     ):
-        seq = tl.program_id(0)
-        head_tile = tl.program_id(1)
+        # head tiles vary fastest, so the tiles of one sequence run together and share its KV in L2
+        head_tile = tl.program_id(0)
+        seq = tl.program_id(1)
         split = tl.program_id(2)
 
         offs_h = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -251,7 +254,8 @@ def _kernels():
             mask_n = offs_n < end
             block = tl.load(
                 block_tables_ptr + seq * stride_table_b + offs_n // PAGE_SIZE, mask=mask_n, other=0
-            ).to(tl.int64)
+            )
+            block = tl.maximum(block, 0).to(tl.int64)  # a -1 pad inside the context must not fault
             rows = cache_ptr + block * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_slot
             latent = tl.load(
                 rows[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0
@@ -341,7 +345,11 @@ def mla_decode_triton(
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     block_tables = block_tables.contiguous()
     context_lens = context_lens.contiguous()
-    num_sms = _num_sms(q_lat.device.index or 0) if q_lat.is_cuda else DEFAULT_NUM_SMS
+    if q_lat.is_cuda:
+        index = q_lat.device.index if q_lat.device.index is not None else torch.cuda.current_device()
+        num_sms = _num_sms(index)
+    else:
+        num_sms = DEFAULT_NUM_SMS
     launch = choose_launch(batch, heads, max_blocks * block_size, num_sms, num_splits)
     splits = launch.num_splits
     if splits == 1:
@@ -350,7 +358,7 @@ def mla_decode_triton(
         partial = torch.empty(batch, heads, splits, latent_dim, dtype=torch.float32, device=q_lat.device)
         lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q_lat.device)
     split_kernel, merge_kernel = _kernels()
-    grid = (batch, triton.cdiv(heads, launch.block_h), splits)
+    grid = (triton.cdiv(heads, launch.block_h), batch, splits)
     split_kernel[grid](
         q_lat, q_pe, kv_cache, block_tables, context_lens, partial, lse,
         heads, max_blocks, float(scale * kv_scale * _LOG2E), float(kv_scale),

@@ -97,7 +97,7 @@ def test_reference_chunked_walk_matches_naive():
 def test_zero_context_rows_are_zero_not_nan():
     case = Case(batch=3, heads=2, latent_dim=16, rope_dim=16, block_size=16, context_lens=[0, 20, 0])
     q_lat, q_pe, cache, tables, lens = make_case(case, seed=1)
-    got = mla_decode(q_lat, q_pe, cache, tables, lens, 0.5)
+    got = mla_decode(q_lat, q_pe, cache, tables, lens, 0.5, kv_scale=1e4)
     assert torch.isfinite(got).all()
     assert (got[0] == 0).all() and (got[2] == 0).all() and (got[1] != 0).any()
     all_empty = mla_decode_torch(q_lat, q_pe, cache, tables, torch.zeros(3, dtype=torch.int32), 0.5)
