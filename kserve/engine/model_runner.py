@@ -1,14 +1,17 @@
 """Owns the model and its paged latent KV cache; runs one scheduled step.
 
-The cache is one tensor `[num_layers, num_blocks, block_size, kv_cache_dim]` in the model dtype.
-A step's sequences are flattened into `StepInputs` (plain lists, cheap to send to tensor-parallel
-workers) and then into one `ForwardBatch` (see kserve/model/forward_batch.py); the model writes each
+The cache is one tensor `[num_layers, num_blocks + 1, block_size, kv_cache_dim]` (the last block is
+scratch for padding rows) in the model dtype, or float8_e4m3fn with `kv_cache_dtype="fp8"`.
+A step's sequences are flattened, decodes first, into `StepInputs` (plain lists, cheap to send to
+tensor-parallel workers) and then into one `ForwardBatch` (see kserve/model/forward_batch.py), the
+step's only metadata, built once on the host's numbers; the model writes each
 new token's latent into its slot and attends over the sequence's block table. Only the rows whose
 chunk ends at the sequence's last token go through the LM head.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,6 +21,8 @@ import torch
 from kserve.config import EngineConfig, ModelConfig
 from kserve.engine.scheduler import ScheduledSeq
 from kserve.model.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 
 def num_kv_blocks_for(config: EngineConfig, bytes_per_token: int, device: torch.device) -> int:
@@ -35,15 +40,19 @@ def num_kv_blocks_for(config: EngineConfig, bytes_per_token: int, device: torch.
 
 @dataclass
 class StepInputs:
-    """One step, host side: what every tensor-parallel rank needs to run the same forward."""
+    """One step, host side: what every tensor-parallel rank needs to run the same forward.
+
+    Sequences are ordered decodes (query_len 1) first; `sample_rows` are in scheduled order.
+    """
 
     input_ids: list[int]
     positions: list[int]
     slots: list[int]
-    block_tables: list[list[int]]  # padded with -1
+    block_tables: list[list[int]]  # one row per sequence, unpadded
     query_lens: list[int]
     context_lens: list[int]
-    sample_rows: list[int]  # rows of the flat batch whose logits are sampled
+    sample_rows: list[int]  # rows of the flat batch whose logits are sampled, in scheduled order
+    padded_batch_size: int | None = None  # decode-only step run on the static buffers at this size
 
 
 class StepBroadcaster(Protocol):
@@ -52,7 +61,49 @@ class StepBroadcaster(Protocol):
     def broadcast(self, inputs: StepInputs) -> None: ...
 
 
+def decode_batch_buckets(max_num_seqs: int) -> list[int]:
+    """Padded decode batch sizes: 1, 2, 4, 8, then multiples of 16 ... up to max_num_seqs."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += range(16, max_num_seqs, 16)
+    return sorted(set(sizes) | {max_num_seqs})
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    if isinstance(kv_cache_dtype, torch.dtype):
+        return kv_cache_dtype
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "fp8":
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+
+
+@dataclass
+class _StaticDecodeInputs:
+    """Persistent device buffers for padded decode steps (CUDA graphs replay over them)."""
+
+    input_ids: torch.Tensor  # [max_batch] int64
+    positions: torch.Tensor  # [max_batch] int64
+    slot_mapping: torch.Tensor  # [max_batch] int64
+    block_tables: torch.Tensor  # [max_batch, max_blocks_per_seq] int32
+    context_lens: torch.Tensor  # [max_batch] int32
+    query_start_loc: torch.Tensor  # [max_batch + 1] int32 = arange
+    batches: dict[int, ForwardBatch]  # per bucket, views of the buffers above
+    hidden: dict[int, torch.Tensor]  # per captured bucket, the graph's output
+
+
 class ModelRunner:
+    """Owns the model and its paged latent KV cache; turns scheduled steps into ForwardBatches and runs them.
+
+    The cache has one scratch block past the block manager's `num_blocks`: padded decode rows
+    (CUDA-graph buckets) write their latents there and have context length 0, so no real sequence
+    is ever touched by padding.
+    Decode-only steps run over persistent buffers padded to a bucket size (`decode_batch_buckets`),
+    replaying a CUDA graph captured at start-up, when `static_decode` is on: by default on CUDA with
+    one rank and not `enforce_eager` (tensor-parallel ranks would have to capture together).
+    `static_decode=True` on the CPU runs the same padded path eagerly (for tests).
+    """
+
     def __init__(
         self,
         model: Any,
@@ -62,56 +113,99 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         peers: StepBroadcaster | None = None,
+        *,
+        kv_cache_dtype: str | torch.dtype = "auto",
+        kv_scale: float = 1.0,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        static_decode: bool | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
-        self.device = device
+        self.device = torch.device(device)
         self.peers = peers
+        self.num_blocks = num_blocks
+        self.kv_scale = float(kv_scale)
+        if not self.kv_scale > 0:
+            raise ValueError(f"kv_scale must be positive, got {kv_scale}")
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         self.kv_cache = torch.zeros(
             model_config.num_hidden_layers,
-            num_blocks,
+            num_blocks + 1,  # + the scratch block for padding rows
             block_size,
             model_config.kv_cache_dim,
-            dtype=dtype,
-            device=device,
+            dtype=self.kv_cache_dtype,
+            device=self.device,
         )
-        # A CUDA-graph decode path would go here: capture `self.model` for padded decode batch
-        # sizes with static input buffers, and replay it from `execute` when every query_len is 1.
+        self.scratch_slot = num_blocks * block_size
+        max_len = max_model_len if max_model_len is not None else num_blocks * block_size
+        self.max_blocks_per_seq = -(-max_len // block_size)
 
+        tp_size = getattr(getattr(model, "parallel", None), "tp_size", 1)
+        if static_decode is None:
+            static_decode = self.device.type == "cuda" and not enforce_eager and tp_size == 1 and peers is None
+        self.decode_buckets = decode_batch_buckets(max_num_seqs) if static_decode else []
+        self.static: _StaticDecodeInputs | None = self._make_static_inputs() if static_decode else None
+        self.graphs: dict[int, Any] = {}
+        if self.static is not None and self.device.type == "cuda":
+            self.capture_decode_graphs()
+
+    # ------------------------------------------------------------------ step preparation (host)
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        """Flatten a step's scheduled sequences into StepInputs."""
+        """Flatten a step's scheduled sequences into StepInputs, decodes first."""
+        order = list(enumerate(scheduled))
+        seen_prefill = reordered = False
+        for item in scheduled:
+            if item.num_new_tokens != 1:
+                seen_prefill = True
+            elif seen_prefill:
+                reordered = True
+                break
+        if reordered:  # e.g. a newly admitted sequence whose prompt was all but one token cached
+            order = [p for p in order if p[1].num_new_tokens == 1] + [p for p in order if p[1].num_new_tokens != 1]
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
+        tables: list[list[int]] = []
         sample_rows: list[int] = []
-        for item in scheduled:
+        sample_keys: list[int] = []  # scheduled index of each sampled row
+        for index, item in order:
             seq = item.seq
             start = seq.num_computed_tokens
             table = seq.block_table
+            tables.append(table)
             if item.num_new_tokens == 1:  # decode: the common case, kept cheap
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
                 query_lens.append(1)
                 context_lens.append(start + 1)
-                if start + 1 == len(seq.token_ids):
-                    sample_rows.append(len(input_ids) - 1)
-                continue
-            end = start + item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(item.num_new_tokens)
-            context_lens.append(end)
+                end = start + 1
+            else:
+                end = start + item.num_new_tokens
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                query_lens.append(item.num_new_tokens)
+                context_lens.append(end)
             if end == len(seq.token_ids):
                 sample_rows.append(len(input_ids) - 1)
-        max_blocks = max(len(item.seq.block_table) for item in scheduled)
-        tables = [item.seq.block_table + [-1] * (max_blocks - len(item.seq.block_table)) for item in scheduled]
-        return StepInputs(input_ids, positions, slots, tables, query_lens, context_lens, sample_rows)
+                sample_keys.append(index)
+        if reordered:
+            sample_rows = [row for _, row in sorted(zip(sample_keys, sample_rows))]
+        padded = None
+        if (
+            self.decode_buckets
+            and len(input_ids) == len(order) <= self.decode_buckets[-1]
+            and max(map(len, tables)) <= self.max_blocks_per_seq
+        ):
+            padded = next(b for b in self.decode_buckets if b >= len(order))
+        return StepInputs(input_ids, positions, slots, tables, query_lens, context_lens, sample_rows, padded)
 
     def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step; return float32 logits for the sampling rows, in scheduled order."""
@@ -120,23 +214,118 @@ class ModelRunner:
             self.peers.broadcast(inputs)
         return self.execute(inputs)
 
+    # ------------------------------------------------------------------ the forward
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """The forward for StepInputs; every tensor-parallel rank runs exactly this."""
-        dev = self.device
-        batch = ForwardBatch(
-            positions=torch.tensor(inputs.positions, dtype=torch.long).to(dev, non_blocking=True),
-            slot_mapping=torch.tensor(inputs.slots, dtype=torch.long).to(dev, non_blocking=True),
-            # numpy builds a 2-D int array from nested lists several times faster than torch.tensor
-            block_tables=torch.from_numpy(np.array(inputs.block_tables, dtype=np.int32)).to(dev, non_blocking=True),
-            context_lens=torch.tensor(inputs.context_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_lens=inputs.query_lens,
-            context_lens_host=inputs.context_lens,
-            block_size=self.block_size,
-        )
-        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long).to(dev, non_blocking=True)
-        hidden = self.model(input_ids, batch, self.kv_cache)
+        if inputs.padded_batch_size is not None:
+            hidden = self._execute_padded(inputs, inputs.padded_batch_size)
+        else:
+            batch = ForwardBatch.build(
+                positions=inputs.positions,
+                slots=inputs.slots,
+                block_tables=inputs.block_tables,
+                query_lens=inputs.query_lens,
+                context_lens=inputs.context_lens,
+                block_size=self.block_size,
+                device=self.device,
+                kv_scale=self.kv_scale,
+            )
+            input_ids = torch.tensor(inputs.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            hidden = self.model(input_ids, batch, self.kv_cache)
         if not inputs.sample_rows:
-            return torch.empty(0, 0, device=dev)
-        rows = torch.tensor(inputs.sample_rows, dtype=torch.long).to(dev, non_blocking=True)
+            return torch.empty(0, 0, device=self.device)
+        rows = torch.tensor(inputs.sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
+
+    # ------------------------------------------------------------------ padded decode / CUDA graphs
+    def _make_static_inputs(self) -> _StaticDecodeInputs:
+        max_batch = self.decode_buckets[-1]
+        dev = self.device
+        static = _StaticDecodeInputs(
+            input_ids=torch.zeros(max_batch, dtype=torch.long, device=dev),
+            positions=torch.zeros(max_batch, dtype=torch.long, device=dev),
+            slot_mapping=torch.full((max_batch,), self.scratch_slot, dtype=torch.long, device=dev),
+            block_tables=torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            context_lens=torch.zeros(max_batch, dtype=torch.int32, device=dev),
+            query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=dev),
+            batches={},
+            hidden={},
+        )
+        for size in self.decode_buckets:
+            static.batches[size] = ForwardBatch(
+                positions=static.positions[:size],
+                slot_mapping=static.slot_mapping[:size],
+                block_tables=static.block_tables[:size],
+                context_lens=static.context_lens[:size],
+                query_start_loc=static.query_start_loc[: size + 1],
+                query_lens=[1] * size,
+                context_lens_host=[0] * size,  # not read on the decode path; the device copy is live
+                block_size=self.block_size,
+                num_decode_seqs=size,
+                prefill=None,
+                kv_scale=self.kv_scale,
+            )
+        return static
+
+    def _fill_static(self, inputs: StepInputs, size: int) -> None:
+        """Copy a decode step into the persistent buffers; rows past it become padding."""
+        static = self.static
+        n = len(inputs.input_ids)
+        width = max(len(t) for t in inputs.block_tables)
+        if width > self.max_blocks_per_seq:
+            raise ValueError(f"a block table of {width} blocks exceeds max_blocks_per_seq {self.max_blocks_per_seq}")
+        step = np.empty((4, size), dtype=np.int64)
+        step[0, :n], step[0, n:] = inputs.input_ids, 0
+        step[1, :n], step[1, n:] = inputs.positions, 0
+        step[2, :n], step[2, n:] = inputs.slots, self.scratch_slot
+        step[3, :n], step[3, n:] = inputs.context_lens, 0
+        tables = np.zeros((size, width), dtype=np.int32)
+        for i, t in enumerate(inputs.block_tables):
+            tables[i, : len(t)] = t
+        host = torch.from_numpy(step)
+        dev = host.to(self.device, non_blocking=True)
+        static.input_ids[:size].copy_(dev[0])
+        static.positions[:size].copy_(dev[1])
+        static.slot_mapping[:size].copy_(dev[2])
+        static.context_lens[:size].copy_(dev[3])
+        # entries past a row's context are never read, so only the step's width is refreshed
+        static.block_tables[:size, :width].copy_(torch.from_numpy(tables).to(self.device, non_blocking=True))
+
+    def _execute_padded(self, inputs: StepInputs, size: int) -> torch.Tensor:
+        if self.static is None or size not in self.static.batches:
+            raise ValueError(f"padded batch size {size} is not one of this runner's buckets {self.decode_buckets}")
+        self._fill_static(inputs, size)
+        graph = self.graphs.get(size)
+        if graph is not None:
+            graph.replay()
+            return self.static.hidden[size]
+        return self.model(self.static.input_ids[:size], self.static.batches[size], self.kv_cache)
+
+    def capture_decode_graphs(self) -> None:
+        """Capture one CUDA graph per decode bucket, largest first, sharing one memory pool.
+
+        Warm-up and capture write only to the scratch slot (every static row is padding then).
+        If capture fails (e.g. an op that reads device data on the host), the runner stays eager.
+        """
+        static = self.static
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            with torch.inference_mode():
+                for size in reversed(self.decode_buckets):
+                    batch = static.batches[size]
+                    ids = static.input_ids[:size]
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        self.model(ids, batch, self.kv_cache)  # warm-up: compiles kernels, allocates workspaces
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        static.hidden[size] = self.model(ids, batch, self.kv_cache)
+                    self.graphs[size] = graph
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 -- eager decode still works
+            logger.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
+            self.graphs.clear()
+            static.hidden.clear()

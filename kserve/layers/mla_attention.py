@@ -3,12 +3,28 @@
 Cache layout per layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]; each token's
 entry is its normalized c_kv followed by its roped k_pe. Slot s lives at block s // block_size,
 offset s % block_size.
+
+FP8 latent cache (`kv_cache_dtype="fp8"`): the cache is float8_e4m3fn and holds latent / kv_scale,
+with one global scale for every layer and value (the runner's `kv_scale`, 1.0 by default: the c_kv
+half is RMS-normalized and the roped k_pe half is of the same order, far inside e4m3's +-448, and
+e4m3's precision is relative, so an uncalibrated scale of 1 loses nothing to range). Writers divide
+by the scale and saturate at +-448; readers multiply by it (the decode kernel takes it as
+`kv_scale`, the prefill gather dequantizes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
+
+try:  # H2's paged MLA decode kernel (custom op kserve::mla_decode), when present
+    from kserve.kernels.mla_decode import mla_decode as _mla_decode_op
+except ImportError:  # pragma: no cover - until the kernel lands
+    _mla_decode_op = None
+
+FP8_MAX = 448.0
 
 
 def flash_attn_varlen():
@@ -20,25 +36,77 @@ def flash_attn_varlen():
     return flash_attn_varlen_func
 
 
-def write_latents(cache: torch.Tensor, slot_mapping: torch.Tensor, latents: torch.Tensor) -> None:
-    """Store latents [T, D] at the given slots of one layer's cache."""
-    cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, latents.to(cache.dtype))
+def write_latents(cache: torch.Tensor, slot_mapping: torch.Tensor, latents: torch.Tensor, kv_scale: float = 1.0) -> None:
+    """Store latents [T, D] at the given slots of one layer's cache (scaled and saturated for an FP8 cache)."""
+    flat = cache.view(-1, cache.shape[-1])
+    if cache.dtype == torch.float8_e4m3fn:
+        quantized = (latents.float() / kv_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        # index_copy_ has no float8 kernel on the CPU; the bytes are the same through uint8
+        flat.view(torch.uint8).index_copy_(0, slot_mapping, quantized.view(torch.uint8))
+    else:
+        flat.index_copy_(0, slot_mapping, latents.to(cache.dtype))
 
 
-def context_slots(block_table: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """Slots of positions 0..context_len-1 for one sequence's block table row."""
-    pos = torch.arange(context_len, device=block_table.device)
-    return block_table[pos // block_size].long() * block_size + pos % block_size
+def read_latents(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, kv_scale: float = 1.0) -> torch.Tensor:
+    """The latents [N, D] at the given slots of one layer's cache, dequantized to `dtype`."""
+    rows = cache.view(-1, cache.shape[-1]).index_select(0, slots)
+    if cache.dtype == torch.float8_e4m3fn:
+        return (rows.float() * kv_scale).to(dtype)
+    return rows.to(dtype)
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """The latents [context_len, D] of one sequence."""
-    return cache.view(-1, cache.shape[-1])[context_slots(block_table, context_len, block_size)]
-
-
-def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+def absorbed_decode_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
+    """Torch reference of paged MLA decode: one query per sequence over its cached latents, as MQA
+    with one (kv_lora_rank + rope)-wide head. q_lat [B, H, C] (q_nope absorbed through W_UK),
+    q_pe [B, H, R]; returns o_lat [B, H, C] in fp32, zeros where context_len is 0.
+
+    It gathers each sequence's latents padded to the block table width: the CPU fallback only.
+    """
+    kv_lora_rank = q_lat.shape[-1]
+    num_seqs, max_blocks = block_tables.shape
+    block_size = cache.shape[1]
+    max_len = max_blocks * block_size
+    pos = torch.arange(max_len, device=cache.device)
+    tables = block_tables.long().clamp(min=0)
+    slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, L]
+    latents = read_latents(cache, slots.reshape(-1), torch.float32, kv_scale).view(num_seqs, max_len, -1)
+    c_kv, k_pe = latents[..., :kv_lora_rank], latents[..., kv_lora_rank:]
+    scores = torch.bmm(q_lat.float(), c_kv.transpose(1, 2)) + torch.bmm(q_pe.float(), k_pe.transpose(1, 2))
+    valid = pos[None, :] < context_lens.long()[:, None]  # [B, L]
+    scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
+    # a row with no context is all -inf: give it zero weights instead of NaNs
+    probs = scores.softmax(dim=-1).nan_to_num(0.0)
+    return torch.bmm(probs, c_kv)
+
+
+def paged_decode_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    kv_scale: float = 1.0,
+) -> torch.Tensor:
+    """Absorbed decode for every decode sequence at once -> o_lat [B, H, C] fp32.
+
+    Through the kserve::mla_decode op (Triton over the block table on CUDA, its torch reference
+    elsewhere) when it is installed, else through the reference above.
+    """
+    if _mla_decode_op is not None:
+        return _mla_decode_op(q_lat, q_pe, cache, block_tables, context_lens, scale, kv_scale)
+    return absorbed_decode_attention(q_lat, q_pe, cache, block_tables, context_lens, scale, kv_scale)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Q, H, D], k [S, H, D], v [S, H, Dv] where the Q queries are the last Q of the S positions."""
     num_q, num_k = q.shape[0], k.shape[0]
     qpos = torch.arange(num_k - num_q, num_k, device=q.device)
@@ -49,29 +117,42 @@ def causal_attention(
     return out.transpose(0, 1)
 
 
-def absorbed_decode_attention(
-    q_lat: torch.Tensor,
-    q_pe: torch.Tensor,
-    cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    kv_lora_rank: int,
+def varlen_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence, attending over its cached latents as MQA with one 576-dim head.
+    """Attention for all prefill sequences of a step: q [Tq, H, D] (their new tokens, flat),
+    k [Tk, H, D] and v [Tk, H, Dv] (their whole contexts, flat). Sequence i has query_lens[i] queries,
+    the last of its context_lens[i] positions; the host lengths and their device cumulative sums
+    (cu_seqlens_*, int32 [P + 1]) describe the same split.
 
-    q_lat [B, H, C] (q_nope absorbed through W_UK), q_pe [B, H, R]; returns o_lat [B, H, C] in fp32.
+    One flash-attn varlen call on CUDA in fp16/bf16 when flash-attn is installed; otherwise SDPA over
+    per-sequence views cut at offsets the runner computed on the host (no device reads).
     """
-    num_seqs, max_blocks = block_tables.shape
-    block_size = cache.shape[1]
-    max_len = max_blocks * block_size
-    pos = torch.arange(max_len, device=cache.device)
-    tables = block_tables.long().clamp(min=0)
-    slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, L]
-    latents = cache.view(-1, cache.shape[-1])[slots].float()  # [B, L, C+R]
-    c_kv, k_pe = latents[..., :kv_lora_rank], latents[..., kv_lora_rank:]
-    scores = torch.bmm(q_lat.float(), c_kv.transpose(1, 2)) + torch.bmm(q_pe.float(), k_pe.transpose(1, 2))
-    valid = pos[None, :] < context_lens.long()[:, None]  # [B, L]
-    scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.bmm(probs, c_kv)
+    flash = flash_attn_varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
+    if flash is not None:
+        head_dim, v_head = q.shape[-1], v.shape[-1]
+        # flash-attn wants equal qk and v head dims: pad v, then slice. causal aligns bottom-right.
+        v_pad = F.pad(v, (0, head_dim - v_head)) if v_head < head_dim else v
+        out = flash(
+            q, k, v_pad, cu_seqlens_q, cu_seqlens_k, max(query_lens), max(context_lens),
+            softmax_scale=scale, causal=True,
+        )
+        return out[..., :v_head]
+    if len(query_lens) == 1:
+        return causal_attention(q, k, v, scale)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    q_start = k_start = 0
+    for q_len, k_len in zip(query_lens, context_lens):
+        out[q_start : q_start + q_len] = causal_attention(
+            q[q_start : q_start + q_len], k[k_start : k_start + k_len], v[k_start : k_start + k_len], scale
+        )
+        q_start += q_len
+        k_start += k_len
+    return out

@@ -7,7 +7,6 @@ that routed experts are stacked per layer (`mlp.experts.gate_up_proj`, `mlp.expe
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kserve.config import ModelConfig
@@ -15,10 +14,9 @@ from kserve.distributed import ParallelState
 from kserve.layers.embedding import LMHead, VocabEmbedding
 from kserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from kserve.layers.mla_attention import (
-    absorbed_decode_attention,
-    causal_attention,
-    flash_attn_varlen,
-    gather_context,
+    paged_decode_attention,
+    read_latents,
+    varlen_causal_attention,
     write_latents,
 )
 from kserve.layers.mlp import GatedMLP
@@ -91,53 +89,48 @@ class MLAttention(nn.Module):
         cache: torch.Tensor,
         rotary: YarnRotaryEmbedding,
     ) -> torch.Tensor:
+        num_tokens = x.shape[0]
         q = self._queries(x)
         q_nope, q_pe = q.split([self.qk_nope, self.qk_rope], dim=-1)
         q_pe = rotary(positions, q_pe)
         kv = self.kv_a_proj_with_mqa(x)
         c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         k_pe = rotary(positions, kv[:, self.kv_lora_rank :])
-        write_latents(cache, batch.slot_mapping, torch.cat([c_kv, k_pe], dim=-1))
+        write_latents(cache, batch.slot_mapping, torch.cat([c_kv, k_pe], dim=-1), batch.kv_scale)
 
-        out = x.new_empty(x.shape[0], self.num_heads, self.v_head)
-        starts = [0]
-        for n in batch.query_lens:
-            starts.append(starts[-1] + n)
-        decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
-        if decode:
-            self._absorbed(decode, starts, q_nope, q_pe, batch, cache, out)
-        for i, n in enumerate(batch.query_lens):
-            if n != 1:
-                s, e = starts[i], starts[i + 1]
-                out[s:e] = self._naive(q_nope[s:e], q_pe[s:e], cache, batch.block_tables[i], batch.context_lens_host[i], batch.block_size)
-        return self.o_proj(out.view(x.shape[0], self.num_heads * self.v_head))
+        # decode rows first, then prefill rows: the split is host ints from the runner
+        num_decode = batch.num_decode_seqs
+        parts = []
+        if num_decode:
+            parts.append(self._absorbed(q_nope[:num_decode], q_pe[:num_decode], batch, cache))
+        if batch.prefill is not None:
+            start = batch.prefill.token_start
+            parts.append(self._naive(q_nope[start:], q_pe[start:], batch, cache))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head))
 
-    def _absorbed(self, seqs, starts, q_nope, q_pe, batch, cache, out) -> None:
-        tokens = torch.tensor([starts[i] for i in seqs], device=q_nope.device)
-        seq_idx = torch.tensor(seqs, device=q_nope.device)
+    def _absorbed(self, q_nope, q_pe, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        """All decode sequences at once, through the paged decode kernel: [D, H, v_head]."""
+        num_decode = q_nope.shape[0]
         w_uk, w_uv = self._absorption_weights()
-        q_lat = torch.bmm(q_nope[tokens].transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, C]
-        o_lat = absorbed_decode_attention(
-            q_lat, q_pe[tokens], cache, batch.block_tables[seq_idx], batch.context_lens[seq_idx], self.kv_lora_rank, self.scale
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [D, H, C]
+        o_lat = paged_decode_attention(
+            q_lat, q_pe, cache, batch.block_tables[:num_decode], batch.context_lens[:num_decode], self.scale, batch.kv_scale
         )
-        out[tokens] = torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
-    def _naive(self, q_nope, q_pe, cache, block_table, context_len: int, block_size: int) -> torch.Tensor:
-        latents = gather_context(cache, block_table, context_len, block_size).to(q_nope.dtype)
+    def _naive(self, q_nope, q_pe, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        """All prefill sequences at once: one gather of their contexts, one kv_b_proj, one varlen attention."""
+        prefill = batch.prefill
+        latents = read_latents(cache, prefill.context_slots, q_nope.dtype, batch.kv_scale)
         c_kv, k_pe = latents[:, : self.kv_lora_rank], latents[:, self.kv_lora_rank :]
-        kv = self.kv_b_proj(c_kv).view(context_len, self.num_heads, self.qk_nope + self.v_head)
+        kv = self.kv_b_proj(c_kv).view(latents.shape[0], self.num_heads, self.qk_nope + self.v_head)
         k_nope, v = kv.split([self.qk_nope, self.v_head], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
         qry = torch.cat([q_nope, q_pe], dim=-1)
-        flash = flash_attn_varlen() if qry.is_cuda and qry.dtype in (torch.float16, torch.bfloat16) else None
-        if flash is None:
-            return causal_attention(qry, k, v, self.scale)
-        # flash-attn wants equal qk and v head dims: pad v, then slice. causal aligns bottom-right.
-        v_pad = F.pad(v, (0, qry.shape[-1] - self.v_head))
-        cu_q = torch.tensor([0, qry.shape[0]], dtype=torch.int32, device=qry.device)
-        cu_k = torch.tensor([0, context_len], dtype=torch.int32, device=qry.device)
-        o = flash(qry, k, v_pad, cu_q, cu_k, qry.shape[0], context_len, softmax_scale=self.scale, causal=True)
-        return o[..., : self.v_head]
+        return varlen_causal_attention(
+            qry, k, v, prefill.query_lens, prefill.context_lens, prefill.cu_seqlens_q, prefill.cu_seqlens_k, self.scale
+        )
 
 
 class DecoderLayer(nn.Module):
