@@ -15,19 +15,18 @@ from kserve.chat import (
     StreamingReasoningParser,
     StreamingToolParser,
     ToolCallDelta,
-    normalize_tool_call_ids,
     parse_tool_output,
     split_reasoning,
 )
 from kserve.chat import ToolCall as ParsedToolCall
 from kserve.engine.errors import PromptRejected
+from kserve.server.chat_request import render_chat
 from kserve.server.context import DisconnectWatch, ServingContext, engine_refused, new_request_id
-from kserve.server.errors import APIError, bad_request
+from kserve.server.errors import APIError
 from kserve.server.guided import compile_grammar, grammar_spec
 from kserve.server.logprobs import chat_logprobs
 from kserve.server.outcome import client_gone, finish_reason, unfinished, usage_info
 from kserve.server.protocol import (
-    UNSUPPORTED_CHAT_FIELDS,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -43,16 +42,7 @@ from kserve.server.protocol import (
 )
 from kserve.server.sampling import build_sampling_params, fit_max_tokens
 from kserve.server.sse import sse_done, sse_error, sse_event
-from kserve.server.validation import (
-    check_chat_request,
-    normalize_messages,
-    normalize_stop,
-    normalize_tools,
-    reject_unsupported,
-    resolve_tool_choice,
-    schema_dialect,
-    tool_schema,
-)
+from kserve.server.validation import normalize_stop, schema_dialect, tool_schema
 
 logger = logging.getLogger("kserve.server")
 
@@ -76,18 +66,9 @@ class PreparedChat:
 
 async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, Any]) -> PreparedChat:
     """Everything checked and encoded before generation; `raw` is the body as sent (for fields the model drops)."""
-    reject_unsupported(raw, UNSUPPORTED_CHAT_FIELDS)
-    ctx.check_model(req.model)
-    check_chat_request(req)
-    messages = normalize_tool_call_ids(normalize_messages(req.messages))
-    tools = normalize_tools(req.tools, raw.get("tools"))
-    tool_choice = resolve_tool_choice(req.tool_choice, tools)
+    rendered = render_chat(ctx, req, raw)
+    tools, tool_choice, prompt_ids = rendered.tools, rendered.tool_choice, rendered.prompt_ids
     parse_tools = bool(tools) and tool_choice != "none"
-    try:
-        prompt_ids = ctx.template.encode(ctx.tokenizer, messages, tools=tools or None, add_generation_prompt=True,
-                                         legacy=ctx.settings.legacy_prompt_encoding)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise bad_request(f"could not render the conversation with the chat template: {exc}", "messages") from None
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = fit_max_tokens(len(prompt_ids), requested, ctx.max_model_len)
     spec = grammar_spec(
