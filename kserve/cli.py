@@ -42,6 +42,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="reject request bodies larger than this with 413")
     p.add_argument("--max-concurrent-requests", type=int, default=None,
                    help="answer 429 beyond this many requests in flight (default: no limit)")
+    p.add_argument("--responses-store-size", type=int, default=1000,
+                   help="finished /v1/responses kept in memory for previous_response_id and GET (0: off)")
 
 
 def _add_make_tiny(sub: argparse._SubParsersAction) -> None:

@@ -12,9 +12,19 @@ from types import MappingProxyType
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from kserve.server.anthropic_messages import (
+    AnthropicErrorRoute,
+    check_api_key,
+    count_tokens,
+    error_response_for_path,
+    prepare_messages,
+    run_messages,
+    stream_messages,
+)
+from kserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from kserve.server.context import ServerSettings, ServingContext
 from kserve.server.errors import APIError, install_error_handlers
 from kserve.server.metrics import ServerMetrics
@@ -26,9 +36,19 @@ from kserve.server.protocol import (
     ModelCard,
     ModelList,
 )
+from kserve.server.openai_responses import (
+    delete_response,
+    get_response,
+    prepare_response,
+    run_response,
+    stream_response,
+)
+from kserve.server.responses_protocol import ResponsesRequest
+from kserve.server.responses_store import ResponseStore
 from kserve.server.serving_chat import prepare_chat, run_chat, stream_chat
 from kserve.server.serving_completion import prepare_completion, run_completion, stream_completion
 from kserve.server.sse import openai_json
+from kserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 logger = logging.getLogger("kserve.server")
 
@@ -129,7 +149,7 @@ class BodyLimitMiddleware:
                            code="request_too_large")
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await too_big.response()(scope, receive, send)
+            await error_response_for_path(scope.get("path", ""), too_big)(scope, receive, send)
             return
         parts: list[bytes] = []
         size = 0
@@ -140,7 +160,7 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await too_big.response()(scope, receive, send)
+                await error_response_for_path(scope.get("path", ""), too_big)(scope, receive, send)
                 return
             parts.append(chunk)
             if not message.get("more_body", False):
@@ -255,6 +275,52 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None,
             if prep.req.stream:
                 return ClosingStreamingResponse(stream_completion(ctx, prep), admission.hand_off())
             return JSONResponse(openai_json(await run_completion(ctx, prep, request)))
+
+    # Anthropic Messages: x-api-key (or bearer) auth, and every error in Anthropic's shape.
+    async def require_anthropic_auth(request: Request) -> None:
+        check_api_key(request, settings.api_key)
+
+    anthropic = APIRouter(route_class=AnthropicErrorRoute, dependencies=[Depends(require_anthropic_auth)])
+
+    @anthropic.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request, ctx: ServingContext = Depends(context)) -> Any:
+        with ctx.admitted() as admission:
+            prep = await prepare_messages(ctx, body, await request.json())
+            if body.stream:
+                return ClosingStreamingResponse(stream_messages(ctx, prep), admission.hand_off())
+            return JSONResponse(await run_messages(ctx, prep, request))
+
+    @anthropic.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(body: CountTokensRequest, request: Request,
+                                    ctx: ServingContext = Depends(context)) -> Any:
+        return JSONResponse(count_tokens(ctx, body, await request.json()))
+
+    app.include_router(anthropic)
+    responses_store = ResponseStore(settings.responses_store_size)
+
+    @app.post("/v1/responses", dependencies=[Depends(require_auth)])
+    async def responses(body: ResponsesRequest, request: Request, ctx: ServingContext = Depends(context)) -> Any:
+        with ctx.admitted() as admission:
+            prep = await prepare_response(ctx, responses_store, body, await request.json())
+            if body.stream:
+                return ClosingStreamingResponse(stream_response(ctx, responses_store, prep), admission.hand_off())
+            return JSONResponse(await run_response(ctx, responses_store, prep, request))
+
+    @app.get("/v1/responses/{response_id}", dependencies=[Depends(require_auth)])
+    async def responses_get(response_id: str) -> Any:
+        return JSONResponse(get_response(responses_store, response_id))
+
+    @app.delete("/v1/responses/{response_id}", dependencies=[Depends(require_auth)])
+    async def responses_delete(response_id: str) -> Any:
+        return JSONResponse(delete_response(responses_store, response_id))
+
+    @app.post("/tokenize", dependencies=[Depends(require_auth)])
+    async def tokenize_route(body: TokenizeRequest, request: Request, ctx: ServingContext = Depends(context)) -> Any:
+        return JSONResponse(tokenize(ctx, body, await request.json()))
+
+    @app.post("/detokenize", dependencies=[Depends(require_auth)])
+    async def detokenize_route(body: DetokenizeRequest, ctx: ServingContext = Depends(context)) -> Any:
+        return JSONResponse(detokenize(ctx, body))
 
     return app
 

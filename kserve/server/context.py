@@ -37,6 +37,7 @@ class ServerSettings:
     enable_reasoning: bool = False
     legacy_prompt_encoding: bool = False
     log_level: str = "info"
+    responses_store_size: int = 1000  # finished /v1/responses kept for previous_response_id and GET; 0 = off
 
 
 @dataclass

@@ -52,6 +52,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         enable_reasoning=args.enable_reasoning,
         legacy_prompt_encoding=args.legacy_prompt_encoding,
         log_level=args.log_level,
+        responses_store_size=getattr(args, "responses_store_size", 1000),
     )
 
 

@@ -1,0 +1,470 @@
+"""`POST /v1/messages` and `/v1/messages/count_tokens`: Anthropic's Messages API over the chat path.
+
+A Messages request is translated into a chat-completions body (system turn, user/assistant/tool turns, function
+tools, tool_choice, structured output as `response_format`) and prepared by `prepare_chat`, so the prompt,
+grammar, sampling and tool parsing are those of `/v1/chat/completions`. Only the wire format is Anthropic's:
+content blocks, `stop_reason`, usage, errors and the event stream.
+
+- `tool_choice` `any` is chat's `required`, `tool` is a named function, `disable_parallel_tool_use` is
+  `parallel_tool_calls: false`.
+- `thinking` blocks in the history become the assistant turn's `reasoning_content` (rendered by a K2-Thinking
+  template); generated reasoning (under `--enable-reasoning`) comes back as a `thinking` block.
+- usage follows Anthropic: `input_tokens` excludes the prompt tokens read from the prefix cache, which are
+  `cache_read_input_tokens` (their sum is the prompt length, what count_tokens returns).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kserve.server.anthropic_protocol import (
+    UNSUPPORTED_MESSAGES_FIELDS,
+    AnthropicToolChoice,
+    CountTokensRequest,
+    MessageParam,
+    MessagesRequest,
+)
+from kserve.server.chat_request import render_chat
+from kserve.server.chat_turn import FinishedTurn, TurnDelta, run_turn, stream_turn
+from kserve.server.context import ServingContext
+from kserve.server.errors import APIError, from_validation_errors
+from kserve.server.protocol import ChatCompletionRequest
+from kserve.server.serving_chat import PreparedChat, prepare_chat
+from kserve.server.validation import reject_unsupported, schema_error, unresolvable_ref
+
+logger = logging.getLogger("kserve.server")
+
+MESSAGES_PATH_PREFIX = "/v1/messages"
+
+_ERROR_TYPE_BY_STATUS: Mapping[int, str] = MappingProxyType({
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+})
+_STOP_REASONS: Mapping[str, str] = MappingProxyType({"tool_calls": "tool_use", "length": "max_tokens"})
+_UNSUPPORTED_BLOCKS: Mapping[str, str] = MappingProxyType({
+    "image": "image blocks are not supported (this model takes text only)",
+    "document": "document blocks are not supported (this model takes text only)",
+    "search_result": "search_result blocks are not supported",
+    "container_upload": "container_upload blocks are not supported",
+})
+_SERVER_BLOCKS = ("server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+                  "code_execution_tool_result", "bash_code_execution_tool_result",
+                  "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result")
+_STRUCTURED_OUTPUT_NAME = "output"
+
+
+# ----------------------------------------------------------------------------- errors and auth
+
+
+def error_body(exc: APIError) -> dict[str, Any]:
+    kind = _ERROR_TYPE_BY_STATUS.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=exc.status)
+
+
+def error_response_for_path(path: str, exc: APIError) -> JSONResponse:
+    """The error in the shape the endpoint at `path` speaks (for middleware that answers before routing)."""
+    return error_response(exc) if path.startswith(MESSAGES_PATH_PREFIX) else exc.response()
+
+
+def invalid(message: str) -> APIError:
+    return APIError(400, message, code="invalid_request_error")
+
+
+class AnthropicErrorRoute(APIRoute):
+    """A route whose every error (body validation, auth, readiness, handler) is in Anthropic's shape."""
+
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as exc:
+                return error_response(exc)
+            except (RequestValidationError, ValidationError) as exc:
+                return error_response(from_validation_errors(list(exc.errors())))
+            except StarletteHTTPException as exc:
+                return error_response(APIError(exc.status_code, str(exc.detail)))
+            except Exception as exc:
+                logger.exception("internal error handling %s %s", request.method, request.url.path)
+                return error_response(APIError(500, f"internal server error: {type(exc).__name__}"))
+
+        return route
+
+
+def api_key_ok(request: Request, key: str) -> bool:
+    """Anthropic clients send `x-api-key`; a bearer token is accepted as well."""
+    given = request.headers.get("x-api-key")
+    if given is None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        given = token.strip()
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
+def check_api_key(request: Request, key: str | None) -> None:
+    if key and not api_key_ok(request, key):
+        raise APIError(401, "missing or invalid API key; send 'x-api-key: <key>' (or 'Authorization: Bearer <key>')",
+                       code="invalid_api_key")
+
+
+# ----------------------------------------------------------------------------- request translation
+
+
+def _text(block: dict[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise invalid(f"{where}.text: a text block needs a string 'text'")
+    return text
+
+
+def _text_blocks(blocks: Any, where: str, what: str) -> str:
+    """Text blocks joined with nothing between them (as chat content parts are)."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise invalid(f"{where}: {what} must be a string or a list of text blocks")
+    texts: list[str] = []
+    for k, block in enumerate(blocks):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise invalid(f"{where}.{k}: {what} may only hold text blocks, got {kind!r}")
+        texts.append(_text(block, f"{where}.{k}"))
+    return "".join(texts)
+
+
+def _check_block_type(block: Any, where: str, allowed: tuple[str, ...], role: str) -> str:
+    if not isinstance(block, dict):
+        raise invalid(f"{where}: a content block must be an object, got {type(block).__name__}")
+    kind = block.get("type")
+    if not isinstance(kind, str):
+        raise invalid(f"{where}: a content block needs a string 'type'")
+    if kind in allowed:
+        return kind
+    if kind in _UNSUPPORTED_BLOCKS:
+        raise invalid(f"{where}: {_UNSUPPORTED_BLOCKS[kind]}")
+    if kind in _SERVER_BLOCKS:
+        raise invalid(f"{where}: {kind!r} blocks (Anthropic's server tools) are not supported")
+    known = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+    if kind in known:
+        raise invalid(f"{where}: a {role} message may not hold a {kind!r} block")
+    raise invalid(f"{where}: unknown content block type {kind!r} (supported: {', '.join(allowed)})")
+
+
+def _user_turns(msg: MessageParam, where: str, open_calls: set[str]) -> list[dict[str, Any]]:
+    """A user message: runs of text blocks become user turns, each tool_result a tool turn."""
+    if isinstance(msg.content, str):
+        return [{"role": "user", "content": msg.content}]
+    if not msg.content:
+        raise invalid(f"{where}.content: must hold at least one content block")
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, block in enumerate(msg.content):
+        at = f"{where}.content.{j}"
+        kind = _check_block_type(block, at, ("text", "tool_result"), "user")
+        if kind == "text":
+            texts.append(_text(block, at))
+            continue
+        if texts:
+            out.append({"role": "user", "content": "".join(texts)})
+            texts = []
+        call_id = block.get("tool_use_id")
+        if not isinstance(call_id, str):
+            raise invalid(f"{at}.tool_use_id: a tool_result block needs a string 'tool_use_id'")
+        if call_id not in open_calls:
+            raise invalid(f"{at}: tool_result for tool_use_id {call_id!r}, but the preceding assistant message has no "
+                          f"tool_use block with that id (its ids: {', '.join(sorted(open_calls)) or 'none'})")
+        if "is_error" in block and not isinstance(block["is_error"], bool):
+            raise invalid(f"{at}.is_error must be a boolean")
+        content = _text_blocks(block.get("content", ""), f"{at}.content", "tool_result content")
+        out.append({"role": "tool", "tool_call_id": call_id, "content": content})
+    if texts:
+        out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _assistant_turn(msg: MessageParam, where: str) -> tuple[dict[str, Any], set[str]]:
+    """An assistant message as one chat turn (text, reasoning, tool calls) and the tool_use ids it opened."""
+    if isinstance(msg.content, str):
+        return {"role": "assistant", "content": msg.content}, set()
+    texts: list[str] = []
+    thinking: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(msg.content):
+        at = f"{where}.content.{j}"
+        kind = _check_block_type(block, at, ("text", "tool_use", "thinking", "redacted_thinking"), "assistant")
+        if kind == "text":
+            texts.append(_text(block, at))
+        elif kind == "thinking":
+            value = block.get("thinking")
+            if not isinstance(value, str):
+                raise invalid(f"{at}.thinking: a thinking block needs a string 'thinking'")
+            thinking.append(value)
+        elif kind == "tool_use":
+            call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
+            if not isinstance(call_id, str) or not isinstance(name, str):
+                raise invalid(f"{at}: a tool_use block needs string 'id' and 'name'")
+            if not isinstance(arguments, dict):
+                raise invalid(f"{at}.input: a tool_use block's 'input' must be an object")
+            calls.append({"id": call_id, "type": "function",
+                          "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
+        # redacted_thinking is opaque (encrypted by another provider): nothing to render
+    turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+    if calls:
+        turn["tool_calls"] = calls
+    if thinking:
+        turn["reasoning_content"] = "".join(thinking)
+    return turn, {c["id"] for c in calls}
+
+
+def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if req.system is not None:
+        out.append({"role": "system", "content": _text_blocks(req.system, "system", "'system'")})
+    if not req.messages:
+        raise invalid("messages: at least one message is required")
+    open_calls: set[str] = set()
+    for i, msg in enumerate(req.messages):
+        where = f"messages.{i}"
+        if msg.role == "user":
+            out.extend(_user_turns(msg, where, open_calls))
+            open_calls = set()
+        else:
+            turn, open_calls = _assistant_turn(msg, where)
+            out.append(turn)
+    if req.messages[-1].role == "assistant":
+        raise invalid(f"messages.{len(req.messages) - 1}: a final assistant message (prefill, continuing the "
+                      "reply) is not supported; end the conversation with a user message")
+    return out
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    exc = schema_error(schema)
+    if exc is not None:
+        path = "/".join(str(p) for p in exc.path) or "(root)"
+        raise invalid(f"{where} is not a valid JSON schema at {path}: {exc.message}")
+    problem = unresolvable_ref(schema)
+    if problem is not None:
+        raise invalid(f"{where}: {problem}")
+
+
+def chat_tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
+    if req.tools is None:
+        return None
+    tools: list[dict[str, Any]] = []
+    for i, tool in enumerate(req.tools):
+        if tool.type not in (None, "custom"):
+            raise invalid(f"tools.{i}: tool type {tool.type!r} (an Anthropic server tool) is not supported; "
+                          "declare custom tools with name, description and input_schema")
+        _check_schema(tool.input_schema, f"tools.{i}.input_schema")
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description is not None:
+            function["description"] = tool.description
+        function["parameters"] = tool.input_schema
+        if tool.strict is not None:
+            function["strict"] = tool.strict
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _chat_tool_choice(choice: AnthropicToolChoice, has_tools: bool) -> str | dict[str, Any]:
+    if choice.type in ("any", "tool") and not has_tools:
+        raise invalid(f"tool_choice.type {choice.type!r} needs 'tools'")
+    if choice.type == "tool":
+        if choice.name is None:
+            raise invalid("tool_choice: type 'tool' needs the tool's 'name'")
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"any": "required"}.get(choice.type, choice.type)
+
+
+def chat_body(req: CountTokensRequest) -> dict[str, Any]:
+    """The chat-completions body this request means (sampling fields only for a MessagesRequest)."""
+    body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req)}
+    tools = chat_tools(req)
+    if tools is not None:
+        body["tools"] = tools
+    if req.tool_choice is not None:
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice, bool(tools))
+        if req.tool_choice.disable_parallel_tool_use:
+            body["parallel_tool_calls"] = False
+    output_format = req.output_config.format if req.output_config is not None else None
+    output_format = output_format or req.output_format
+    if output_format is not None:
+        where = "output_config.format.schema" if req.output_format is None else "output_format.schema"
+        _check_schema(output_format.schema_, where)
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": _STRUCTURED_OUTPUT_NAME, "schema": output_format.schema_, "strict": True}}
+    if isinstance(req, MessagesRequest):
+        body["max_tokens"] = req.max_tokens
+        for name in ("temperature", "top_p", "top_k"):
+            value = getattr(req, name)
+            if value is not None:
+                body[name] = value
+        if req.stop_sequences is not None:
+            body["stop"] = req.stop_sequences
+        user = (req.metadata or {}).get("user_id")
+        if isinstance(user, str):
+            body["user"] = user
+    return body
+
+
+def _chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(body)
+
+
+async def prepare_messages(ctx: ServingContext, req: MessagesRequest, raw: dict[str, Any]) -> PreparedChat:
+    reject_unsupported(raw, UNSUPPORTED_MESSAGES_FIELDS)
+    body = chat_body(req)
+    prep = await prepare_chat(ctx, _chat_request(body), body)
+    return dataclasses.replace(prep, request_id=f"msg_{uuid.uuid4().hex}")
+
+
+def count_tokens(ctx: ServingContext, req: CountTokensRequest, raw: dict[str, Any]) -> dict[str, Any]:
+    """The prompt length the same request would have (no generation, no grammar)."""
+    reject_unsupported(raw, UNSUPPORTED_MESSAGES_FIELDS)
+    body = chat_body(req)
+    return {"input_tokens": len(render_chat(ctx, _chat_request(body), body).prompt_ids)}
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def _stop_reason(turn: FinishedTurn) -> str:
+    if turn.finish_reason in _STOP_REASONS:
+        return _STOP_REASONS[turn.finish_reason]
+    return "stop_sequence" if turn.stop_sequence is not None else "end_turn"
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _usage(turn: FinishedTurn) -> dict[str, int]:
+    cached = min(turn.usage.cached_tokens, turn.usage.prompt_tokens)
+    return {"input_tokens": turn.usage.prompt_tokens - cached, "output_tokens": turn.usage.completion_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def message_body(request_id: str, model: str, turn: FinishedTurn) -> dict[str, Any]:
+    content: list[dict[str, Any]] = []
+    if turn.reasoning:
+        content.append({"type": "thinking", "thinking": turn.reasoning, "signature": ""})
+    if turn.content:
+        content.append({"type": "text", "text": turn.content})
+    for call in turn.calls:
+        content.append({"type": "tool_use", "id": call.id, "name": call.name,
+                        "input": _tool_input(turn.arguments(call))})
+    return {"id": request_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": _stop_reason(turn), "stop_sequence": turn.stop_sequence, "usage": _usage(turn)}
+
+
+def sse(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _ContentBlocks:
+    """Opens and closes content blocks as the deltas change kind: thinking, text, one tool_use per call."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+        self.call_index: int | None = None
+
+    def _open(self, kind: str, block: dict[str, Any]) -> list[str]:
+        events = self.close()
+        self.index += 1
+        self.kind = kind
+        return [*events, sse({"type": "content_block_start", "index": self.index, "content_block": block})]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return sse({"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [sse({"type": "content_block_stop", "index": self.index})]
+
+    def feed(self, delta: TurnDelta) -> list[str]:
+        events: list[str] = []
+        if delta.reasoning:
+            if self.kind != "thinking":
+                events += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
+        if delta.content:
+            if self.kind != "text":
+                events += self._open("text", {"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": delta.content}))
+        for call in delta.calls:
+            if call.id is not None:
+                events += self._open("tool_use", {"type": "tool_use", "id": call.id, "name": call.function.name,
+                                                  "input": {}})
+                self.call_index = call.index
+            arguments = call.function.arguments
+            if arguments and self.kind == "tool_use" and call.index == self.call_index:
+                events.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+        return events
+
+
+async def stream_messages(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[str]:
+    """Anthropic's event stream; an error after the first event is an in-band `error` event."""
+    start_usage = {"input_tokens": len(prep.prompt_ids), "output_tokens": 0, "cache_read_input_tokens": 0,
+                   "cache_creation_input_tokens": 0}
+    yield sse({"type": "message_start", "message": {
+        "id": prep.request_id, "type": "message", "role": "assistant", "model": ctx.model_name, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
+    yield sse({"type": "ping"})
+    blocks = _ContentBlocks()
+    try:
+        async for event in stream_turn(ctx, prep):
+            if isinstance(event, TurnDelta):
+                for text in blocks.feed(event):
+                    yield text
+                continue
+            for text in blocks.close():
+                yield text
+            yield sse({"type": "message_delta",
+                       "delta": {"stop_reason": _stop_reason(event), "stop_sequence": event.stop_sequence},
+                       "usage": _usage(event)})
+            yield sse({"type": "message_stop"})
+    except APIError as exc:
+        logger.warning("request %s: %s", prep.request_id, exc.message)
+        yield sse(error_body(exc))
+    except Exception as exc:
+        logger.exception("request %s: error while streaming", prep.request_id)
+        yield sse(error_body(APIError(500, f"internal error while streaming: {type(exc).__name__}")))
+
+
+async def run_messages(ctx: ServingContext, prep: PreparedChat, request: Any) -> dict[str, Any]:
+    return message_body(prep.request_id, ctx.model_name, await run_turn(ctx, prep, request))

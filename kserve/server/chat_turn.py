@@ -1,0 +1,172 @@
+"""One assistant turn of a prepared chat request, whole or as a stream of deltas, in no wire format.
+
+The Anthropic Messages and OpenAI Responses endpoints drive the engine through here: the same engine call,
+reasoning split, tool parser (streaming and whole), call checks, finish reasons and metrics as chat
+completions; each endpoint only writes the result in its own wire shape. Always one choice (n = 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kserve.chat import (
+    StreamingReasoningParser,
+    StreamingToolParser,
+    parse_tool_output,
+    split_reasoning,
+)
+from kserve.chat import ToolCall as ParsedToolCall
+from kserve.engine.errors import PromptRejected
+from kserve.server.context import DisconnectWatch, ServingContext, engine_refused
+from kserve.server.outcome import client_gone, finish_reason, unfinished
+from kserve.server.protocol import ChatDelta
+from kserve.server.serving_chat import NO_ARGUMENTS, PreparedChat, check_tool_calls
+from kserve.server.serving_chat import _ChoiceStream as ChoiceStream
+
+logger = logging.getLogger("kserve.server")
+
+
+@dataclass
+class TurnUsage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class FinishedTurn:
+    """The whole turn: reasoning (None unless split out), visible text, parsed calls, and how it ended."""
+
+    reasoning: str | None
+    content: str
+    calls: list[ParsedToolCall]
+    finish_reason: str  # "stop" | "length" | "tool_calls"
+    stop_sequence: str | None  # the stop string that ended it, if one did
+    usage: TurnUsage
+
+    def arguments(self, call: ParsedToolCall) -> str:
+        return call.arguments or NO_ARGUMENTS
+
+
+@dataclass
+class TurnDelta:
+    """New reasoning text, visible text and tool-call pieces, in that order within the delta."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[Any] = field(default_factory=list)  # ToolCallDeltaOut: header (id, name) once, then arguments
+
+    @classmethod
+    def of(cls, delta: ChatDelta) -> TurnDelta:
+        return cls(delta.reasoning_content or "", delta.content or "", list(delta.tool_calls or []))
+
+    def empty(self) -> bool:
+        return not (self.reasoning or self.content or self.calls)
+
+
+TurnEvent = TurnDelta | FinishedTurn
+
+
+def _stop_sequence(output: Any) -> str | None:
+    return output.stop_reason if output.finish_reason == "stop" and isinstance(output.stop_reason, str) else None
+
+
+def _usage(prep: PreparedChat, final: Any) -> TurnUsage:
+    return TurnUsage(len(prep.prompt_ids), len(final.outputs[0].token_ids), final.num_cached_tokens or 0)
+
+
+def _record(ctx: ServingContext, usage: TurnUsage, first_token: float | None, start: float) -> None:
+    ctx.metrics.count_tokens(usage.prompt_tokens, usage.completion_tokens)
+    ctx.metrics.observe_latency(first_token, time.monotonic() - start)
+
+
+async def run_turn(ctx: ServingContext, prep: PreparedChat, request: Any) -> FinishedTurn:
+    """Generate to the end (aborting if the client goes away) and parse the output as chat completions does."""
+    start = time.monotonic()
+    first_token: float | None = None
+    final = None
+    gone = False
+    watch = DisconnectWatch(request)
+    try:
+        async for out in ctx.engine.generate(prep.request_id, prep.prompt_ids, prep.params):
+            if first_token is None and out.outputs[0].token_ids:
+                first_token = time.monotonic() - start
+            final = out
+            if final.finished:
+                break
+            if await watch.gone():
+                logger.info("request %s: client disconnected; aborting", prep.request_id)
+                gone = True
+                break
+    except PromptRejected as exc:  # prepare_chat validated it; a backstop
+        raise engine_refused(exc, "messages") from None
+    finally:
+        if final is None or not final.finished:
+            await ctx.abort(prep.request_id)
+    if final is None or not final.finished:
+        raise client_gone() if gone else unfinished()
+    output = final.outputs[0]
+    text, reasoning = output.text, None
+    if ctx.settings.enable_reasoning:
+        reasoning, text = split_reasoning(text)
+    calls: list[ParsedToolCall] = []
+    if prep.parse_tools:
+        parsed = parse_tool_output(text, prep.tools)
+        text, calls = parsed.content, prep.kept(parsed.calls)
+        check_tool_calls(ctx, prep.request_id, calls, parsed.section_opened, prep.tools)
+    finish = finish_reason(output.finish_reason, bool(calls))
+    ctx.metrics.count_finish(finish)
+    usage = _usage(prep, final)
+    _record(ctx, usage, first_token, start)
+    return FinishedTurn(reasoning, text, calls, finish, _stop_sequence(output), usage)
+
+
+async def stream_turn(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[TurnEvent]:
+    """TurnDeltas, then the FinishedTurn (whose text is the deltas joined).
+
+    Errors are raised (APIError for aborted generations); closing the iterator early aborts the engine request.
+    """
+    state = ChoiceStream(
+        index=0,
+        tool_parser=StreamingToolParser(prep.tools) if prep.parse_tools else None,
+        reasoning_parser=StreamingReasoningParser() if ctx.settings.enable_reasoning else None,
+        max_calls=prep.max_calls,
+    )
+    start = time.monotonic()
+    first_token: float | None = None
+    final = None
+    reasoning: list[str] = []
+    content: list[str] = []
+    try:
+        async for out in ctx.engine.generate(prep.request_id, prep.prompt_ids, prep.params):
+            final = out
+            output = out.outputs[0]
+            if first_token is None and output.token_ids:
+                first_token = time.monotonic() - start
+            finished = output.finish_reason is not None
+            delta = TurnDelta.of(state.advance(output.text[state.text_sent:], final=finished))
+            state.text_sent = len(output.text)
+            reasoning.append(delta.reasoning)
+            content.append(delta.content)
+            if not delta.empty():
+                yield delta
+            if finished:
+                calls = state.calls() if state.tool_parser is not None else []
+                if state.tool_parser is not None:
+                    check_tool_calls(ctx, prep.request_id, calls, state.tool_parser.section_opened, prep.tools)
+                finish = finish_reason(output.finish_reason, bool(calls))
+                ctx.metrics.count_finish(finish)
+                usage = _usage(prep, out)
+                _record(ctx, usage, first_token, start)
+                saw_reasoning = state.reasoning_parser is not None and state.reasoning_parser.saw_reasoning
+                yield FinishedTurn("".join(reasoning) if saw_reasoning else None, "".join(content), calls, finish,
+                                   _stop_sequence(output), usage)
+                return
+        raise unfinished()
+    finally:
+        if final is None or not final.finished:
+            await ctx.abort(prep.request_id)

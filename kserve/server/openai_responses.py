@@ -1,0 +1,503 @@
+"""`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`: OpenAI's Responses API over the chat path.
+
+The request's instructions and input items (plus, with `previous_response_id`, the stored conversation before
+it) are translated into a chat-completions body and prepared by `prepare_chat`: same template, grammar
+(`text.format` is chat's `response_format`), sampling and tool parser. Only the wire format differs: output
+items, status, usage and the typed event stream with `sequence_number`s.
+
+Conversation mapping: `instructions` is the system turn (those of a previous response are not carried over,
+as OpenAI does); consecutive reasoning / assistant message / function_call items make one assistant turn;
+`function_call_output` is a tool turn and must answer an earlier `function_call`'s `call_id`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from kserve.server.chat_turn import FinishedTurn, TurnDelta, run_turn, stream_turn
+from kserve.server.context import ServingContext
+from kserve.server.errors import APIError, bad_request
+from kserve.server.protocol import ChatCompletionRequest
+from kserve.server.responses_protocol import (
+    UNSUPPORTED_RESPONSES_FIELDS,
+    NamedFunctionChoice,
+    ResponsesRequest,
+)
+from kserve.server.responses_store import ResponseStore, StoredResponse
+from kserve.server.serving_chat import PreparedChat, prepare_chat
+from kserve.server.validation import reject_unsupported, schema_error, unresolvable_ref
+
+logger = logging.getLogger("kserve.server")
+
+_MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text")
+_MEDIA_PARTS: Mapping[str, str] = MappingProxyType({
+    "input_image": "image input is not supported (this model takes text only)",
+    "input_file": "file input is not supported (this model takes text only)",
+    "input_audio": "audio input is not supported (this model takes text only)",
+})
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def store_disabled(what: str) -> APIError:
+    return APIError(400, f"{what} needs the response store, which this server has turned off "
+                         "(--responses-store-size 0)", param=what.strip("'"), code="response_store_disabled")
+
+
+def not_found(response_id: str, param: str | None = None) -> APIError:
+    return APIError(404, f"response {response_id!r} not found (never stored, or dropped from the bounded store)",
+                    param=param, code="response_not_found")
+
+
+# ----------------------------------------------------------------------------- request translation
+
+
+def _message_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"'{where}.content' must be a string or a list of content parts", f"{where}.content")
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _MEDIA_PARTS:
+            raise bad_request(f"'{at}': {_MEDIA_PARTS[kind]}", f"{at}.type", "unsupported_content")
+        field = "refusal" if kind == "refusal" else "text"
+        if kind not in (*_TEXT_PARTS, "refusal"):
+            raise bad_request(f"'{at}': unknown content part type {kind!r} (supported: input_text, output_text, "
+                              "refusal)", f"{at}.type")
+        if not isinstance(part.get(field), str):
+            raise bad_request(f"'{at}': a {kind} part needs a string {field!r}", f"{at}.{field}",
+                              "missing_required_parameter")
+        texts.append(part[field])
+    return "".join(texts)
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    parts = item.get("content") or item.get("summary") or []
+    return "".join(p.get("text", "") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"'{where}.{key}' is required and must be a string", f"{where}.{key}",
+                          "missing_required_parameter")
+    return value
+
+
+def normalize_items(request_input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items with their `type` filled in (a bare string is one user message)."""
+    if isinstance(request_input, str):
+        return [{"type": "message", "role": "user", "content": request_input}]
+    if not request_input:
+        raise bad_request("'input' must hold at least one item", "input")
+    items: list[dict[str, Any]] = []
+    for item in request_input:
+        if "type" not in item and "role" in item:
+            item = {"type": "message", **item}
+        items.append(item)
+    return items
+
+
+def chat_messages(instructions: str | None, items: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Chat turns for (where, item) pairs; `where` names the item in errors."""
+    out: list[dict[str, Any]] = []
+    if instructions is not None:
+        out.append({"role": "system", "content": instructions})
+    assistant: dict[str, Any] | None = None  # the assistant turn that further assistant-side items join
+    call_ids: set[str] = set()
+
+    def assistant_turn(fresh: bool) -> dict[str, Any]:
+        nonlocal assistant
+        if assistant is None or fresh:
+            assistant = {"role": "assistant", "content": None}
+            out.append(assistant)
+        return assistant
+
+    for where, item in items:
+        kind = item.get("type")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _MESSAGE_ROLES:
+                raise bad_request(f"'{where}.role' must be one of {', '.join(_MESSAGE_ROLES)}, got {role!r}",
+                                  f"{where}.role", "invalid_role")
+            text = _message_text(item.get("content"), where)
+            if role == "assistant":
+                turn = assistant_turn(assistant is not None and (assistant["content"] is not None
+                                                                  or "tool_calls" in assistant))
+                turn["content"] = text
+            else:
+                assistant = None
+                out.append({"role": role, "content": text})
+        elif kind == "function_call":
+            call_id, name = _string(item, "call_id", where), _string(item, "name", where)
+            arguments = _string(item, "arguments", where)
+            turn = assistant_turn(False)
+            turn.setdefault("tool_calls", []).append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+            call_ids.add(call_id)
+        elif kind == "function_call_output":
+            call_id = _string(item, "call_id", where)
+            if call_id not in call_ids:
+                raise bad_request(f"'{where}': no function_call with call_id {call_id!r} precedes this "
+                                  "function_call_output", f"{where}.call_id", "unknown_call_id")
+            output = item.get("output")
+            text = output if isinstance(output, str) else _message_text(output, f"{where}.output")
+            assistant = None
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        elif kind == "reasoning":
+            turn = assistant_turn(assistant is not None and (assistant["content"] is not None
+                                                              or "tool_calls" in assistant))
+            turn["reasoning_content"] = _reasoning_text(item)
+        elif kind == "item_reference":
+            raise bad_request(f"'{where}': item references are not supported; send the items themselves or use "
+                              "'previous_response_id'", f"{where}.type", "unsupported_parameter")
+        else:
+            raise bad_request(f"'{where}': unknown or unsupported input item type {kind!r} (supported: message, "
+                              "function_call, function_call_output, reasoning)", f"{where}.type")
+    return out
+
+
+def _check_schema(schema: Any, param: str) -> None:
+    exc = schema_error(schema)
+    if exc is not None:
+        path = "/".join(str(p) for p in exc.path) or "(root)"
+        raise bad_request(f"'{param}' is not a valid JSON schema at {path}: {exc.message}", param, "invalid_schema")
+    problem = unresolvable_ref(schema)
+    if problem is not None:
+        raise bad_request(f"'{param}': {problem}", param, "invalid_schema")
+
+
+def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
+    if req.tools is None:
+        return None
+    tools: list[dict[str, Any]] = []
+    for i, tool in enumerate(req.tools):
+        if tool.type != "function":
+            raise bad_request(f"'tools[{i}].type' {tool.type!r} is not supported; only function tools are",
+                              f"tools[{i}].type", "unsupported_parameter")
+        if tool.name is None:
+            raise bad_request(f"'tools[{i}].name' is required", f"tools[{i}].name", "missing_required_parameter")
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description is not None:
+            function["description"] = tool.description
+        if tool.parameters is not None:
+            _check_schema(tool.parameters, f"tools[{i}].parameters")
+            function["parameters"] = tool.parameters
+        if tool.strict is not None:
+            function["strict"] = tool.strict
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _chat_tool_choice(choice: str | NamedFunctionChoice) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    if choice.type != "function" or choice.name is None:
+        raise bad_request(f"'tool_choice' of type {choice.type!r} is not supported; use 'auto', 'none', 'required' "
+                          "or {\"type\": \"function\", \"name\": ...}", "tool_choice", "unsupported_parameter")
+    return {"type": "function", "function": {"name": choice.name}}
+
+
+def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.name is None or fmt.schema_ is None:
+        raise bad_request("'text.format' of type 'json_schema' needs 'name' and 'schema'", "text.format",
+                          "missing_required_parameter")
+    _check_schema(fmt.schema_, "text.format.schema")
+    schema: dict[str, Any] = {"name": fmt.name, "schema": fmt.schema_}
+    if fmt.description is not None:
+        schema["description"] = fmt.description
+    if fmt.strict is not None:
+        schema["strict"] = fmt.strict
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def chat_body(req: ResponsesRequest, conversation: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req.instructions, conversation)}
+    tools = chat_tools(req)
+    if tools is not None:
+        body["tools"] = tools
+    if req.tool_choice is not None:
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+    if req.parallel_tool_calls is not None:
+        body["parallel_tool_calls"] = req.parallel_tool_calls
+    response_format = _response_format(req)
+    if response_format is not None:
+        body["response_format"] = response_format
+    if req.max_output_tokens is not None:
+        body["max_tokens"] = req.max_output_tokens
+    for name in ("temperature", "top_p", "user"):
+        if getattr(req, name) is not None:
+            body[name] = getattr(req, name)
+    return body
+
+
+@dataclass
+class PreparedResponse:
+    chat: PreparedChat
+    req: ResponsesRequest
+    raw: dict[str, Any]
+    created_at: int
+    items: list[dict[str, Any]]  # the conversation so far (stored ones first), without instructions
+    store: bool
+
+    @property
+    def response_id(self) -> str:
+        return self.chat.request_id
+
+
+async def prepare_response(ctx: ServingContext, store: ResponseStore, req: ResponsesRequest,
+                           raw: dict[str, Any]) -> PreparedResponse:
+    reject_unsupported(raw, UNSUPPORTED_RESPONSES_FIELDS)
+    if req.store is True and not store.enabled:
+        raise store_disabled("'store'")
+    previous: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        if not store.enabled:
+            raise store_disabled("'previous_response_id'")
+        entry = store.get(req.previous_response_id)
+        if entry is None:
+            raise not_found(req.previous_response_id, "previous_response_id")
+        previous = entry.items
+    new_items = normalize_items(req.input)
+    single = isinstance(req.input, str)
+    conversation = [("previous_response", item) for item in previous]
+    conversation += [("input" if single else f"input[{i}]", item) for i, item in enumerate(new_items)]
+    body = chat_body(req, conversation)
+    prep = await prepare_chat(ctx, ChatCompletionRequest.model_validate(body), body)
+    prep = dataclasses.replace(prep, request_id=_new_id("resp"))
+    return PreparedResponse(prep, req, raw, int(time.time()), previous + new_items,
+                            store.enabled and req.store is not False)
+
+
+# ----------------------------------------------------------------------------- response objects
+
+
+def _usage(ctx: ServingContext, turn: FinishedTurn) -> dict[str, Any]:
+    reasoning_tokens = len(ctx.tokenizer.encode(turn.reasoning, allow_special_tokens=False)) if turn.reasoning else 0
+    return {"input_tokens": turn.usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": turn.usage.cached_tokens},
+            "output_tokens": turn.usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, turn.usage.completion_tokens)},
+            "total_tokens": turn.usage.prompt_tokens + turn.usage.completion_tokens}
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [_output_text(text)]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def _item_status(turn: FinishedTurn) -> str:
+    return "incomplete" if turn.finish_reason == "length" else "completed"
+
+
+def output_items(turn: FinishedTurn) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    if turn.reasoning:
+        items.append(_reasoning_item(_new_id("rs"), turn.reasoning))
+    if turn.content or not turn.calls:
+        items.append(_message_item(_new_id("msg"), turn.content, _item_status(turn)))
+    for call in turn.calls:
+        items.append(_call_item(_new_id("fc"), call.id, call.name, turn.arguments(call), "completed"))
+    return items
+
+
+def response_object(ctx: ServingContext, prep: PreparedResponse, *, status: str, output: list[dict[str, Any]],
+                    usage: dict[str, Any] | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+    req, raw = prep.req, prep.raw
+    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    reasoning = req.reasoning.model_dump() if req.reasoning is not None else {"effort": None, "summary": None}
+    return {
+        "id": prep.response_id, "object": "response", "created_at": prep.created_at, "status": status,
+        "error": error, "incomplete_details": incomplete, "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens, "model": ctx.model_name, "output": output,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id, "reasoning": reasoning, "store": prep.store,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": raw.get("text") or {"format": {"type": "text"}},
+        "tool_choice": raw.get("tool_choice") or "auto", "tools": raw.get("tools") or [],
+        "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": req.truncation or "disabled",
+        "usage": usage, "user": req.user, "metadata": req.metadata or {},
+    }
+
+
+def _finished(ctx: ServingContext, store: ResponseStore, prep: PreparedResponse, turn: FinishedTurn,
+              output: list[dict[str, Any]]) -> dict[str, Any]:
+    status = "incomplete" if turn.finish_reason == "length" else "completed"
+    response = response_object(ctx, prep, status=status, output=output, usage=_usage(ctx, turn))
+    if prep.store:
+        store.put(prep.response_id, StoredResponse(response, prep.items + output))
+    return response
+
+
+async def run_response(ctx: ServingContext, store: ResponseStore, prep: PreparedResponse,
+                       request: Any) -> dict[str, Any]:
+    turn = await run_turn(ctx, prep.chat, request)
+    return _finished(ctx, store, prep, turn, output_items(turn))
+
+
+def get_response(store: ResponseStore, response_id: str) -> dict[str, Any]:
+    if not store.enabled:
+        raise store_disabled("retrieving a response")
+    entry = store.get(response_id)
+    if entry is None:
+        raise not_found(response_id)
+    return entry.response
+
+
+def delete_response(store: ResponseStore, response_id: str) -> dict[str, Any]:
+    if not store.enabled:
+        raise store_disabled("deleting a response")
+    if not store.delete(response_id):
+        raise not_found(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+class _EventWriter:
+    """Typed SSE events with increasing sequence numbers, and the output items as they open and close."""
+
+    def __init__(self) -> None:
+        self.sequence = itertools.count()
+        self.output: list[dict[str, Any]] = []  # finished items, in output order
+        self.item: dict[str, Any] | None = None  # the open item
+        self.text = ""  # the open item's text (message/reasoning) or arguments (function_call)
+        self.call_index: int | None = None
+
+    def event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, **fields, "sequence_number": next(self.sequence)}
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    @property
+    def index(self) -> int:
+        return len(self.output)
+
+    def _open(self, item: dict[str, Any]) -> list[str]:
+        events = self.close("completed")
+        self.item, self.text = item, ""
+        events.append(self.event("response.output_item.added", output_index=self.index, item=item))
+        if item["type"] == "message":
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.index,
+                                     content_index=0, part=_output_text("")))
+        return events
+
+    def close(self, status: str) -> list[str]:
+        item = self.item
+        if item is None:
+            return []
+        where = {"item_id": item["id"], "output_index": self.index}
+        events: list[str] = []
+        if item["type"] == "message":
+            done = _message_item(item["id"], self.text, status)
+            events.append(self.event("response.output_text.done", **where, content_index=0, text=self.text,
+                                     logprobs=[]))
+            events.append(self.event("response.content_part.done", **where, content_index=0,
+                                     part=_output_text(self.text)))
+        elif item["type"] == "reasoning":
+            done = _reasoning_item(item["id"], self.text)
+            events.append(self.event("response.reasoning_text.done", **where, content_index=0, text=self.text))
+        else:
+            done = _call_item(item["id"], item["call_id"], item["name"], self.text, "completed")
+            events.append(self.event("response.function_call_arguments.done", **where, name=item["name"],
+                                     arguments=self.text))
+        events.append(self.event("response.output_item.done", output_index=self.index, item=done))
+        self.output.append(done)
+        self.item = None
+        return events
+
+    def feed(self, delta: TurnDelta) -> list[str]:
+        events: list[str] = []
+        if delta.reasoning:
+            if self.item is None or self.item["type"] != "reasoning":
+                events += self._open({"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": []})
+            events.append(self.event("response.reasoning_text.delta", item_id=self.item["id"],
+                                     output_index=self.index, content_index=0, delta=delta.reasoning))
+            self.text += delta.reasoning
+        if delta.content:
+            if self.item is None or self.item["type"] != "message":
+                events += self._open(_message_item(_new_id("msg"), None, "in_progress"))
+            events.append(self.event("response.output_text.delta", item_id=self.item["id"], output_index=self.index,
+                                     content_index=0, delta=delta.content, logprobs=[]))
+            self.text += delta.content
+        for call in delta.calls:
+            if call.id is not None:
+                events += self._open(_call_item(_new_id("fc"), call.id, call.function.name, "", "in_progress"))
+                self.call_index = call.index
+            arguments = call.function.arguments
+            is_open = self.item is not None and self.item["type"] == "function_call"
+            if arguments and is_open and call.index == self.call_index:
+                events.append(self.event("response.function_call_arguments.delta", item_id=self.item["id"],
+                                         output_index=self.index, delta=arguments))
+                self.text += arguments
+        return events
+
+    def finish(self, turn: FinishedTurn) -> list[str]:
+        """Close the open item; a turn with neither text nor calls still gets its (empty) message item."""
+        events = self.close(_item_status(turn))
+        if not any(item["type"] in ("message", "function_call") for item in self.output):
+            events += self._open(_message_item(_new_id("msg"), None, "in_progress"))
+            events += self.close(_item_status(turn))
+        return events
+
+
+async def stream_response(ctx: ServingContext, store: ResponseStore, prep: PreparedResponse) -> AsyncIterator[str]:
+    writer = _EventWriter()
+    started = response_object(ctx, prep, status="in_progress", output=[])
+    yield writer.event("response.created", response=started)
+    yield writer.event("response.in_progress", response=started)
+    try:
+        async for event in stream_turn(ctx, prep.chat):
+            if isinstance(event, TurnDelta):
+                for text in writer.feed(event):
+                    yield text
+                continue
+            for text in writer.finish(event):
+                yield text
+            response = _finished(ctx, store, prep, event, writer.output)
+            kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+            yield writer.event(kind, response=response)
+    except Exception as exc:
+        if isinstance(exc, APIError):
+            logger.warning("request %s: %s", prep.response_id, exc.message)
+            error = exc
+        else:
+            logger.exception("request %s: error while streaming", prep.response_id)
+            error = APIError(500, f"internal error while streaming: {type(exc).__name__}", code="internal_error")
+        yield writer.event("error", code=error.code, message=error.message, param=error.param)
+        failed = response_object(ctx, prep, status="failed", output=writer.output,
+                                 error={"code": error.code or "server_error", "message": error.message})
+        yield writer.event("response.failed", response=failed)

@@ -1,0 +1,74 @@
+"""Pydantic models of OpenAI Responses request bodies (`POST /v1/responses`).
+
+Input items stay plain dicts here: `openai_responses` checks them one by one so an error can name the item
+(`input[3].call_id`). Unknown fields are ignored; fields this server does not implement are refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+UNSUPPORTED_RESPONSES_FIELDS: Mapping[str, str] = MappingProxyType({
+    "background": "background responses are not supported",
+    "conversation": "conversation objects are not supported; chain responses with 'previous_response_id'",
+    "prompt": "stored prompt templates are not supported",
+})
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ResponsesTool(_Request):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(_Request):
+    type: str
+    name: str | None = None
+
+
+class TextFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class ReasoningConfig(_Request):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(_Request):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: str | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    stream: bool = False

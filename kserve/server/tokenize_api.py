@@ -1,0 +1,63 @@
+"""`POST /tokenize` and `POST /detokenize` in vLLM's shapes.
+
+`/tokenize` takes either a completion `prompt` (encoded as `/v1/completions` encodes it: K2's special tokens
+recognized) or chat `messages` (+ `tools`, `add_generation_prompt`), checked and rendered exactly as
+`/v1/chat/completions` renders them, and answers `{"count", "max_model_len", "tokens"}` (+ `token_strs`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from kserve.server.chat_request import render_chat
+from kserve.server.context import ServingContext
+from kserve.server.errors import bad_request
+from kserve.server.protocol import ChatCompletionRequest
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+def tokenize(ctx: ServingContext, req: TokenizeRequest, raw: dict[str, Any]) -> dict[str, Any]:
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
+    if req.model is not None:
+        ctx.check_model(req.model)
+    if req.prompt is not None:
+        ids = ctx.tokenizer.encode(req.prompt, allow_special_tokens=True)
+    else:
+        # The chat request body as /v1/chat/completions would get it: same checks, same rendering.
+        body = {**raw, "model": ctx.model_name}
+        for field in ("prompt", "add_generation_prompt", "return_token_strs"):
+            body.pop(field, None)
+        ids = render_chat(ctx, ChatCompletionRequest.model_validate(body), body,
+                          add_generation_prompt=req.add_generation_prompt).prompt_ids
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        out["token_strs"] = [ctx.tokenizer.token_bytes(i).decode("utf-8", "replace") for i in ids]
+    return out
+
+
+def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> dict[str, Any]:
+    if req.model is not None:
+        ctx.check_model(req.model)
+    bad = [t for t in req.tokens if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise bad_request(f"'tokens' holds ids outside [0, {ctx.vocab_size}): {bad[:5]}", "tokens", "invalid_token_id")
+    return {"prompt": ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)}

@@ -1,0 +1,226 @@
+"""`/v1/messages` over the real engine (embedded tiny K2) on a real uvicorn, through the official `anthropic` SDK.
+
+The tiny model has random weights: tests that need a tool call force it (`tool_choice` any/tool, which is
+grammar-constrained exactly like chat's required/named), and compare prompts the engine actually received.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+
+from starlette.requests import Request  # noqa: E402
+
+from kserve.config import EngineConfig  # noqa: E402
+from kserve.server.anthropic_messages import check_api_key  # noqa: E402
+from kserve.server.context import ServerSettings  # noqa: E402
+from kserve.server.errors import APIError  # noqa: E402
+from kserve.server.launch import BackgroundServer  # noqa: E402
+
+WEATHER = {"name": "get_weather", "description": "Current weather for a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                            "required": ["city"], "additionalProperties": False}}
+WEATHER_CHAT = {"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
+                                                 "parameters": WEATHER["input_schema"]}}
+QUESTION = "What is the weather in Rome?"
+GREEDY = {"temperature": 0}  # sampling fields are left out of this SDK's signatures; the API still takes them
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = BackgroundServer(ServerSettings(port=0, engine=EngineConfig(max_num_batched_tokens=4096))).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def ctx(server):
+    return server.app.state.server.context
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def chat_client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture
+def engine_prompts(ctx):
+    """The prompt ids of every request the engine is asked to generate for, in order (a tap, not a stand-in)."""
+    seen: list[list[int]] = []
+    generate = ctx.engine.generate
+
+    def tap(request_id, prompt_ids, params):
+        seen.append(list(prompt_ids))
+        return generate(request_id, prompt_ids, params)
+
+    ctx.engine.generate = tap
+    yield seen
+    del ctx.engine.generate
+
+
+def _forced_call(client, ctx, **kw):
+    return client.messages.create(model=ctx.model_name, max_tokens=64, extra_body=GREEDY, tools=[WEATHER],
+                                  tool_choice={"type": "tool", "name": "get_weather"},
+                                  messages=[{"role": "user", "content": QUESTION}], **kw)
+
+
+def test_create_text_reply_and_usage(client, ctx):
+    msg = client.messages.create(model=ctx.model_name, max_tokens=8, system="Be terse.",
+                                 messages=[{"role": "user", "content": "Name three colors."}])
+    assert msg.id.startswith("msg_") and msg.type == "message" and msg.role == "assistant"
+    assert msg.model == ctx.model_name
+    assert msg.stop_reason in ("end_turn", "max_tokens")
+    assert all(block.type == "text" for block in msg.content)
+    assert 1 <= msg.usage.output_tokens <= 8
+    counted = client.messages.count_tokens(model=ctx.model_name, system="Be terse.",
+                                           messages=[{"role": "user", "content": "Name three colors."}])
+    # Anthropic's usage: input_tokens excludes prefix-cache reads, which are reported apart
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == counted.input_tokens
+
+
+def test_stream_accumulates_to_the_non_streamed_message(client, ctx):
+    kw = dict(model=ctx.model_name, max_tokens=24, extra_body=GREEDY, messages=[{"role": "user", "content": "Hello"}])
+    plain = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in plain.content]
+    assert final.stop_reason == plain.stop_reason
+    assert final.usage.output_tokens == plain.usage.output_tokens
+    assert (final.usage.input_tokens + final.usage.cache_read_input_tokens
+            == plain.usage.input_tokens + plain.usage.cache_read_input_tokens)
+
+
+def test_forced_tool_use_streamed_and_not(client, ctx):
+    plain = _forced_call(client, ctx)
+    with client.messages.stream(model=ctx.model_name, max_tokens=64, extra_body=GREEDY, tools=[WEATHER],
+                                tool_choice={"type": "tool", "name": "get_weather"},
+                                messages=[{"role": "user", "content": QUESTION}]) as stream:
+        kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in stream]
+        final = stream.get_final_message()
+    assert ("content_block_delta", "input_json_delta") in kinds
+    for msg in (plain, final):
+        assert msg.stop_reason == "tool_use"
+        calls = [b for b in msg.content if b.type == "tool_use"]
+        assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].input["city"] in ("Paris", "Rome")
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in plain.content]
+
+
+def test_any_with_disable_parallel_gives_one_call(client, ctx):
+    msg = client.messages.create(model=ctx.model_name, max_tokens=64, extra_body=GREEDY, tools=[WEATHER],
+                                 tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                 messages=[{"role": "user", "content": QUESTION}])
+    assert [b.type for b in msg.content if b.type == "tool_use"] == ["tool_use"]
+    assert msg.stop_reason == "tool_use"
+
+
+def test_stop_sequence_is_reported(client, ctx):
+    msg = client.messages.create(model=ctx.model_name, max_tokens=64, extra_body=GREEDY, stop_sequences=[" ", "e", "a"],
+                                 messages=[{"role": "user", "content": "Write a long sentence."}])
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence in (" ", "e", "a")
+    text = "".join(b.text for b in msg.content if b.type == "text")
+    assert not any(s in text for s in (" ", "e", "a"))
+
+
+def test_tool_round_trip_prompt_is_the_chat_completions_prompt(server, client, chat_client, ctx, engine_prompts):
+    first = _forced_call(client, ctx)
+    call = next(b for b in first.content if b.type == "tool_use")
+    history = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Look it up.", "signature": "x"},
+                                          *[b.model_dump(exclude_none=True) for b in first.content]]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                      "content": [{"type": "text", "text": "Sunny, "}, {"type": "text", "text": "21C"}]},
+                                     {"type": "text", "text": "Thanks!"}]},
+    ]
+    second = client.messages.create(model=ctx.model_name, max_tokens=8, system="sys", tools=[WEATHER],
+                                    messages=history)
+    counted = client.messages.count_tokens(model=ctx.model_name, system="sys", tools=[WEATHER], messages=history)
+    # the same conversation through chat completions
+    chat_messages = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": None, "reasoning_content": "Look it up.",
+         "tool_calls": [{"id": call.id, "type": "function",
+                         "function": {"name": "get_weather", "arguments": json.dumps(call.input)}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21C"},
+        {"role": "user", "content": "Thanks!"},
+    ]
+    chat = chat_client.chat.completions.create(model=ctx.model_name, max_tokens=8, tools=[WEATHER_CHAT],
+                                               messages=chat_messages)
+    tokenized = httpx.post(server.base_url + "/tokenize", json={"model": ctx.model_name, "messages": chat_messages,
+                                                                "tools": [WEATHER_CHAT]}).json()
+    anthropic_prompt, chat_prompt = engine_prompts[1], engine_prompts[2]
+    assert anthropic_prompt == chat_prompt == tokenized["tokens"]
+    text = ctx.tokenizer.decode(anthropic_prompt)
+    assert "## Return of functions.get_weather:0\nSunny, 21C" in text and "tool_declare" in text
+    assert counted.input_tokens == len(anthropic_prompt) == chat.usage.prompt_tokens
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == len(anthropic_prompt)
+    assert second.usage.cache_read_input_tokens > 0  # the first turn's prefix was cached
+
+
+def _anthropic_error(server, body, status=400):
+    resp = httpx.post(server.base_url + "/v1/messages", json=body, timeout=60)
+    assert resp.status_code == status, resp.text
+    data = resp.json()
+    assert data["type"] == "error" and set(data["error"]) == {"type", "message"}
+    return data["error"]
+
+
+def test_bad_input_gets_anthropic_errors_and_the_server_keeps_serving(server, client, ctx):
+    model = ctx.model_name
+    user = {"role": "user", "content": "hi"}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model=model, messages=[user], max_tokens=None)  # type: ignore[arg-type]
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in _anthropic_error(server, {"model": model, "messages": [user]})["message"]
+    orphan = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}
+    err = _anthropic_error(server, {"model": model, "max_tokens": 4, "messages": [user, orphan]})
+    assert "toolu_nope" in err["message"] and err["type"] == "invalid_request_error"
+    unknown = {"role": "user", "content": [{"type": "hologram", "data": "x"}]}
+    assert "'hologram'" in _anthropic_error(server, {"model": model, "max_tokens": 4, "messages": [unknown]})["message"]
+    image = {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}
+    assert "text only" in _anthropic_error(server, {"model": model, "max_tokens": 4, "messages": [image]})["message"]
+    bad_tool = {**WEATHER, "input_schema": {"type": "object", "properties": {"city": {"type": 12}}}}
+    err = _anthropic_error(server, {"model": model, "max_tokens": 4, "messages": [user], "tools": [bad_tool]})
+    assert "tools.0.input_schema" in err["message"]
+    prefill = {"model": model, "max_tokens": 4, "messages": [user, {"role": "assistant", "content": "Sure"}]}
+    assert "prefill" in _anthropic_error(server, prefill)["message"]
+    err = _anthropic_error(server, {"model": "claude-nope", "max_tokens": 4, "messages": [user]}, status=404)
+    assert err["type"] == "not_found_error"
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="claude-nope", messages=[user])
+    resp = httpx.post(server.base_url + "/v1/messages?beta=true", content=b"{not json", timeout=60,
+                      headers={"anthropic-version": "2023-06-01", "anthropic-beta": "x",
+                               "content-type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+    # still serving, with the beta query and headers accepted
+    ok = httpx.post(server.base_url + "/v1/messages?beta=true", timeout=120,
+                    headers={"anthropic-version": "2023-06-01", "anthropic-beta": "interleaved-thinking-2025-05-14"},
+                    json={"model": model, "max_tokens": 2, "messages": [user]})
+    assert ok.status_code == 200 and ok.json()["type"] == "message"
+
+
+def _request(headers: dict[str, str]) -> Request:
+    return Request({"type": "http", "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
+
+
+def test_api_key_by_x_api_key_or_bearer():
+    check_api_key(_request({}), None)  # no key configured: anything goes
+    check_api_key(_request({"x-api-key": "sekrit"}), "sekrit")
+    check_api_key(_request({"authorization": "Bearer sekrit"}), "sekrit")
+    for headers in ({}, {"x-api-key": "wrong"}, {"authorization": "Bearer wrong"}, {"authorization": "sekrit"}):
+        with pytest.raises(APIError) as info:
+            check_api_key(_request(headers), "sekrit")
+        assert info.value.status == 401

@@ -1,0 +1,217 @@
+"""`/v1/responses`, `/tokenize` and `/detokenize` over the real engine (embedded tiny K2) on a real uvicorn,
+through the official `openai` SDK.
+
+The tiny model has random weights: a test that needs a call or a finished (not length-cut) answer forces the
+structure with `tool_choice` or `text.format`, which are grammar-constrained like their chat twins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Literal
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from pydantic import BaseModel  # noqa: E402
+
+from kserve.config import EngineConfig  # noqa: E402
+from kserve.server.context import ServerSettings  # noqa: E402
+from kserve.server.errors import APIError  # noqa: E402
+from kserve.server.launch import BackgroundServer  # noqa: E402
+from kserve.server.openai_responses import prepare_response  # noqa: E402
+from kserve.server.responses_protocol import ResponsesRequest  # noqa: E402
+from kserve.server.responses_store import ResponseStore, StoredResponse  # noqa: E402
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather for a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                          "required": ["city"], "additionalProperties": False}}
+WEATHER_CHAT = {"type": "function", "function": {"name": "get_weather", "description": WEATHER["description"],
+                                                 "parameters": WEATHER["parameters"]}}
+QUESTION = "What is the weather in Rome?"
+
+
+class Verdict(BaseModel):
+    ok: bool
+    color: Literal["red", "green", "blue"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = BackgroundServer(ServerSettings(port=0, responses_store_size=8,
+                                          engine=EngineConfig(max_num_batched_tokens=4096))).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def ctx(server):
+    return server.app.state.server.context
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture
+def engine_prompts(ctx):
+    """The prompt ids of every request the engine is asked to generate for, in order (a tap, not a stand-in)."""
+    seen: list[list[int]] = []
+    generate = ctx.engine.generate
+
+    def tap(request_id, prompt_ids, params):
+        seen.append(list(prompt_ids))
+        return generate(request_id, prompt_ids, params)
+
+    ctx.engine.generate = tap
+    yield seen
+    del ctx.engine.generate
+
+
+def _forced_call(client, ctx, **kw):
+    return client.responses.create(model=ctx.model_name, input=QUESTION, tools=[WEATHER], tool_choice="required",
+                                   parallel_tool_calls=False, temperature=0, max_output_tokens=64, **kw)
+
+
+def test_create_text_response(client, ctx):
+    resp = client.responses.create(model=ctx.model_name, input="Name three colors.", instructions="Be terse.",
+                                   max_output_tokens=8)
+    assert resp.id.startswith("resp_") and resp.object == "response" and resp.model == ctx.model_name
+    assert resp.status in ("completed", "incomplete")
+    if resp.status == "incomplete":
+        assert resp.incomplete_details.reason == "max_output_tokens" and resp.usage.output_tokens == 8
+    [message] = resp.output
+    assert message.type == "message" and message.content[0].type == "output_text"
+    assert resp.output_text == message.content[0].text
+    assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
+    assert client.responses.retrieve(resp.id).model_dump() == resp.model_dump()
+
+
+def test_stream_accumulates_to_the_non_streamed_response(client, ctx):
+    kw = dict(model=ctx.model_name, input="Pick a color.", temperature=0, max_output_tokens=48, text_format=Verdict)
+    plain = client.responses.parse(**kw)
+    with client.responses.stream(**kw) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds and "response.content_part.added" in kinds
+    assert plain.status == final.status == "completed"
+    assert isinstance(plain.output_parsed, Verdict) and final.output_parsed == plain.output_parsed
+    assert final.output_text == plain.output_text
+    assert final.usage.output_tokens == plain.usage.output_tokens
+
+
+def test_function_call_streamed_and_not(client, ctx):
+    plain = _forced_call(client, ctx)
+    with client.responses.stream(model=ctx.model_name, input=QUESTION, tools=[WEATHER], tool_choice="required",
+                                 parallel_tool_calls=False, temperature=0, max_output_tokens=64) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    for resp in (plain, final):
+        calls = [item for item in resp.output if item.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "get_weather"
+        assert json.loads(calls[0].arguments)["city"] in ("Paris", "Rome")
+    strip = {"id", "parsed_arguments"}  # item ids are minted per response; the stream helper adds parsed_arguments
+    assert ([item.model_dump(exclude=strip) for item in final.output]
+            == [item.model_dump(exclude=strip) for item in plain.output])
+    assert final.usage.output_tokens == plain.usage.output_tokens
+
+
+def test_function_call_output_round_trip_and_previous_response_id(server, client, ctx, engine_prompts):
+    first = _forced_call(client, ctx)
+    call = next(item for item in first.output if item.type == "function_call")
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21C"}
+    # the whole conversation sent again...
+    resent = client.responses.create(model=ctx.model_name, max_output_tokens=4, tools=[WEATHER],
+                                     input=[{"role": "user", "content": QUESTION},
+                                            call.model_dump(exclude_none=True), answer])
+    # ...and the same continued from the stored response
+    chained = client.responses.create(model=ctx.model_name, max_output_tokens=4, tools=[WEATHER],
+                                      previous_response_id=first.id, input=[answer])
+    assert chained.previous_response_id == first.id
+    chat_messages = [{"role": "user", "content": QUESTION},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"id": call.call_id, "type": "function",
+                          "function": {"name": call.name, "arguments": call.arguments}}]},
+                     {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21C"}]
+    tokenized = httpx.post(server.base_url + "/tokenize", json={"messages": chat_messages, "tools": [WEATHER_CHAT]})
+    assert engine_prompts[1] == engine_prompts[2] == tokenized.json()["tokens"]
+    assert "## Return of functions.get_weather:0\nSunny, 21C" in ctx.tokenizer.decode(engine_prompts[1])
+    assert resent.usage.input_tokens == chained.usage.input_tokens == tokenized.json()["count"]
+
+
+def test_tokenize_and_detokenize(server, client, ctx):
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi <|im_end|> there"}]
+    chat = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+        model=ctx.model_name, messages=messages, max_tokens=1)
+    tok = httpx.post(server.base_url + "/tokenize", json={"model": ctx.model_name, "messages": messages}).json()
+    assert tok["count"] == len(tok["tokens"]) == chat.usage.prompt_tokens and tok["max_model_len"] == ctx.max_model_len
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert text.endswith("<|im_assistant|>assistant<|im_middle|>") and "Hi <|im_end|> there" in text
+    # client text that spells a control token is not that token (injection-safe encoding, as for chat)
+    assert tok["tokens"].count(ctx.tokenizer.special_ids["<|im_end|>"]) == 2
+    no_gen = httpx.post(server.base_url + "/tokenize", json={"messages": messages, "add_generation_prompt": False})
+    assert no_gen.json()["tokens"] == tok["tokens"][: no_gen.json()["count"]] and no_gen.json()["count"] < tok["count"]
+    prompt = httpx.post(server.base_url + "/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert prompt["count"] == len(prompt["token_strs"]) and "".join(prompt["token_strs"]) == text
+    for body, status in (({"prompt": "a", "messages": messages}, 400), ({}, 400), ({"prompt": "a", "model": "x"}, 404),
+                         ({"messages": [{"role": "wizard", "content": "x"}]}, 400)):
+        resp = httpx.post(server.base_url + "/tokenize", json=body)
+        assert resp.status_code == status and "message" in resp.json()["error"]
+    bad = httpx.post(server.base_url + "/detokenize", json={"tokens": [0, ctx.vocab_size]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(client, ctx):
+    model = ctx.model_name
+    orphan = [{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "call_x", "output": "1"}]
+    cases = [
+        dict(input=orphan),
+        dict(input=[{"type": "hologram"}]),
+        dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]),
+        dict(input="hi", text={"format": {"type": "json_schema", "name": "x", "schema": {"type": 12}}}),
+        dict(input="hi", tools=[{"type": "web_search"}]),
+        dict(input="hi", background=True),
+        dict(input="hi", max_output_tokens=0),
+    ]
+    for kw in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model=model, **kw)
+        assert info.value.body["type"] == "invalid_request_error" and info.value.body["message"], kw
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=model, input="hi", previous_response_id="resp_missing")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_missing")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="gpt-nope", input="hi")
+    assert client.responses.create(model=model, input="still here?", max_output_tokens=2).status == "incomplete"
+
+
+def test_store_is_bounded_and_store_false_is_not_kept(client, ctx):
+    kept = client.responses.create(model=ctx.model_name, input="a", max_output_tokens=1)
+    unkept = client.responses.create(model=ctx.model_name, input="b", max_output_tokens=1, store=False)
+    assert kept.store is True and unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+    store = ResponseStore(2)
+    for name in ("r1", "r2", "r3"):
+        store.put(name, StoredResponse({"id": name}, []))
+    assert store.get("r1") is None and store.get("r2") is not None and len(store) == 2
+
+
+def test_store_off_refuses_store_and_previous_response_id():
+    store = ResponseStore(0)
+    for raw in ({"model": "m", "input": "hi", "store": True},
+                {"model": "m", "input": "hi", "previous_response_id": "resp_1"}):
+        with pytest.raises(APIError) as info:
+            asyncio.run(prepare_response(None, store, ResponsesRequest.model_validate(raw), raw))
+        assert info.value.status == 400 and info.value.code == "response_store_disabled"
+        assert "--responses-store-size" in info.value.message
