@@ -5,13 +5,13 @@ is W_q * scale over each 128 x 128 block. x is quantized on the fly per token in
 as `fp8_quant.quantize_per_token_group_torch` does. Because a weight block and an activation group
 share the same 128-wide slice of K, each slice's partial product W_q . x_q is exact-ish fp8 math that
 is then scaled once by x_scale[m, g] * w_scale[n // 128, g] and added to an fp32 accumulator. That is
-what the Triton GEMM does per K step, and what the torch reference does per group.
+what the Triton GEMM does per K step; the torch path forms the same products from the scaled values.
 
-- `w8a8_block_matmul_torch`: the reference and the CPU path (one group of K at a time, so no more than
-  an [N, 128] slice of the weight is ever widened to fp32). On torch 2.13's CPU this was as fast as or
-  faster than dequantizing the whole weight first (15 vs 26 ms at M=1, N=K=2048, one thread) and than
-  `torch._scaled_mm`, which does run on CPU for tensor-wise and row-wise scales (not 128x128 blocks) but
-  needs one call per group (23 ms).
+- `w8a8_block_matmul_torch`: the reference and the CPU path. It runs over chunks of whole K groups and
+  never widens more than CHUNK_ELEMENTS (64 MiB of fp32) of the weight at a time; one matmul per chunk
+  keeps the op count low (on a loaded 2-core CPU, one small matmul per 128-wide group was up to 5x
+  slower than this). `torch._scaled_mm` does run on torch 2.13's CPU for tensor-wise and row-wise
+  scales but not for 128x128 blocks, so it would need one call per group, and it was no faster.
 - `quantize_per_token_group_triton` + `w8a8_block_matmul_triton`: the Triton kernels. Both also take
   fp32/fp16 containers holding FP8-representable values, which is how they run under TRITON_INTERPRET=1.
 - `torch.ops.kserve.fp8_block_linear` / `fp8_block_linear`: what callers use; Triton on CUDA from sm89
@@ -28,11 +28,14 @@ from kserve.kernels.fp8_quant import (
     FP8_DTYPE,
     FP8_MAX,
     SCALE_FLOOR,
+    dequantize_per_token_group_torch,
     num_groups,
     quantize_per_token_group_torch,
 )
 
 SUPPORTED_BLOCK = (128, 128)
+# The torch path widens at most this many weight elements to fp32 at a time (64 MiB).
+CHUNK_ELEMENTS = 1 << 24
 # Containers a weight or a quantized activation may arrive in: real fp8, or (for the interpreter and
 # the torch path) wider floats that hold fp8-representable values.
 _WEIGHT_DTYPES = (FP8_DTYPE, torch.float32, torch.float16, torch.bfloat16)
@@ -85,17 +88,25 @@ def w8a8_block_matmul_quantized_torch(
     block: tuple[int, int] = SUPPORTED_BLOCK,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The GEMM on an already-quantized activation: x_q [M, K] (fp8 values), x_scale [M, ceil(K/128)]."""
+    """The GEMM on an already-quantized activation: x_q [M, K] (fp8 values), x_scale [M, ceil(K/128)].
+
+    Runs over chunks of whole K groups, widening at most CHUNK_ELEMENTS of the weight to fp32 at a time;
+    within a chunk the scaled values are multiplied in one fp32 matmul (same products as scaling each
+    group's partial sum, up to fp32 rounding order)."""
     m, k = x_q.shape
     n = weight.shape[0]
-    acc = torch.zeros(m, n, dtype=torch.float32, device=x_q.device)
+    x = dequantize_per_token_group_torch(x_q, x_scale, block[1])
     # Row n of the weight uses scale row n // 128; expanded once to [N, G] (small).
     w_scale_rows = weight_scale_inv.float().repeat_interleave(block[0], dim=0)[:n]
-    for g in range(num_groups(k, block[1])):
-        cols = slice(g * block[1], min((g + 1) * block[1], k))
-        partial = x_q[:, cols].float() @ weight[:, cols].float().t()
-        acc += partial * x_scale[:, g : g + 1].float() * w_scale_rows[:, g][None, :]
-    return acc.to(out_dtype)
+    groups = num_groups(k, block[1])
+    per_chunk = max(1, CHUNK_ELEMENTS // max(1, n * block[1]))
+    out = torch.zeros(m, n, dtype=torch.float32, device=x_q.device)
+    for g0 in range(0, groups, per_chunk):
+        g1 = min(groups, g0 + per_chunk)
+        c0, c1 = g0 * block[1], min(g1 * block[1], k)
+        w = weight[:, c0:c1].float() * w_scale_rows[:, g0:g1].repeat_interleave(block[1], dim=1)[:, : c1 - c0]
+        out.addmm_(x[:, c0:c1], w.t())
+    return out.to(out_dtype)
 
 
 def w8a8_block_matmul_torch(

@@ -60,6 +60,20 @@ def test_reference_matches_dequantize_then_matmul(m, n, k):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def test_reference_in_several_weight_chunks(monkeypatch):
+    from kserve.kernels import fp8_gemm
+
+    x = make_activation(5, 600, seed=21)  # 5 groups, the last one ragged
+    w_q, w_s = make_weight(200, 600, seed=22)
+    whole = w8a8_block_matmul_torch(x, w_q, w_s)
+    monkeypatch.setattr(fp8_gemm, "CHUNK_ELEMENTS", 200 * 128 * 2)  # two groups per chunk: 3 chunks
+    chunked = w8a8_block_matmul_torch(x, w_q, w_s)
+    x_q, x_s = quantize_per_token_group_torch(x)
+    want = dequantize_per_token_group_torch(x_q, x_s).double() @ dequantize_weight_by_loop(w_q, w_s).t()
+    for got in (whole, chunked):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_error_against_unquantized_fp32_matmul():
     """Measured (seeded, M=16 N=576 K=1024, rows/groups on different scales): relative Frobenius error
     ~2.5e-2 against x @ dequant(W)^T with x unquantized; that is fp8 e4m3's 3-bit mantissa on the
