@@ -1,12 +1,15 @@
 """The engine for the server: an `LLMEngine` stepping in a background thread, asyncio streams out.
 
 All engine state is touched only by the loop thread. `generate` and `abort` post commands to it
-through a queue; after each step the thread hands each changed request's snapshot to the request's
-asyncio queue with `call_soon_threadsafe`, so the event loop never waits on the model.
+through a queue; after each step the thread hands each changed request's delta (only what is new)
+to the request's stream, which merges deltas its reader has not taken yet and wakes the reader with
+`call_soon_threadsafe`, so the event loop never waits on the model.
 
 An unexpected error in one loop iteration fails the requests the engine held and the loop goes on;
-if it cannot (cleaning up fails, or iterations keep failing), the loop records a fatal error, fails
-everything waiting, and `generate()` raises EngineDeadError at once from then on.
+if it cannot (cleaning up fails, or iterations keep failing), or the engine declares itself dead
+(model steps failing `max_consecutive_step_failures` times in a row, or a fatal device error), the
+loop records a fatal error, fails everything waiting with EngineDeadError, and `generate()` raises
+EngineDeadError at once from then on.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from typing import Any
 from kserve.config import EngineConfig, ModelConfig
 from kserve.engine.errors import EngineDeadError
 from kserve.engine.llm_engine import EngineStats, LLMEngine
-from kserve.engine.outputs import RequestOutput
+from kserve.engine.outputs import OutputAccumulator, RequestDelta, RequestOutput
 from kserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Loop iterations failing in a row before the loop gives up: the engine is then broken for everyone.
+# Loop iterations failing in a row (outside the model step, which LLMEngine.step counts itself)
+# before the loop gives up: the engine is then broken for everyone.
 MAX_CONSECUTIVE_FAILURES = 3
 
 
@@ -46,17 +50,47 @@ class _Abort:
 
 
 class _Stream:
-    """Where the loop thread delivers one request's snapshots (or its error)."""
+    """Where the loop thread delivers one request's deltas (or its error) to its reader.
+
+    Deltas that arrive while the reader is busy merge into one pending delta, so a slow client costs
+    at most its output's size in memory and one wake-up per read, never a queue of snapshots.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._lock = threading.Lock()
+        self._pending: RequestDelta | None = None
+        self._error: BaseException | None = None
+        self._wake_scheduled = False
+        self._ready = asyncio.Event()
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestDelta | BaseException) -> None:
+        """Called by the loop thread."""
+        with self._lock:
+            if isinstance(item, BaseException):
+                self._error = item
+            elif self._pending is None:
+                self._pending = item
+            else:
+                self._pending.merge(item)
+            if self._wake_scheduled:
+                return
+            self._wake_scheduled = True
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._ready.set)
         except RuntimeError:  # the consumer's event loop is gone
             pass
+
+    async def take(self) -> RequestDelta | BaseException:
+        """The merged news since the last take (an error wins over it)."""
+        await self._ready.wait()
+        with self._lock:
+            self._ready.clear()
+            self._wake_scheduled = False
+            item: RequestDelta | BaseException | None = self._error or self._pending
+            self._pending = None
+        assert item is not None
+        return item
 
 
 class AsyncLLMEngine:
@@ -101,6 +135,10 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative snapshots of the request; the last has `finished=True`.
 
+        The engine sends only what is new each step and merges what a slow reader has not taken
+        yet, so a snapshot may cover several steps. A snapshot's `token_ids` and `logprobs` lists
+        are this request's own and grow in place until it finishes; its `text` is fixed.
+
         Raises PromptRejected (a ValueError) for a prompt the engine cannot take, EngineDeadError
         once the step loop has stopped for good (see `healthy()`), and the request's own error if
         it fails. Leaving the iteration early (a client disconnect) aborts the request.
@@ -112,15 +150,17 @@ class AsyncLLMEngine:
         stream = _Stream(asyncio.get_running_loop())
         self._commands.put(_Add(request_id, list(prompt_token_ids), params, stream))
         self._raise_if_dead()  # the loop may have died since the first check: no one would read it
+        outputs = OutputAccumulator(request_id, None, list(prompt_token_ids), params.n,
+                                    params.logprobs is not None)
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.take()
                 if isinstance(item, BaseException):
                     finished = True  # the engine holds nothing for this request any more
                     raise item
                 finished = item.finished
-                yield item
+                yield outputs.apply(item)
                 if finished:
                     return
         finally:
@@ -163,6 +203,8 @@ class AsyncLLMEngine:
                     if not self._iterate():
                         return
                     failures = 0
+                except EngineDeadError:
+                    raise  # the model steps keep failing, or failed fatally: no retry can help
                 except Exception as exc:
                     failures += 1
                     logger.exception("engine loop iteration failed; failing the requests it held")
@@ -240,7 +282,7 @@ class AsyncLLMEngine:
         if request.error is not None:
             stream.put(request.error)
         else:
-            stream.put(request.output())
+            stream.put(request.take_delta())
         if request.finished:
             del self._streams[request.request_id]
 
@@ -252,6 +294,8 @@ class AsyncLLMEngine:
 
 
 def _dead_error(cause: BaseException) -> EngineDeadError:
+    if isinstance(cause, EngineDeadError):
+        return cause
     error = EngineDeadError(f"the engine stopped after an unrecoverable error: {cause!r}")
     error.__cause__ = cause
     return error

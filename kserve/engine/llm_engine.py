@@ -17,7 +17,8 @@ import torch
 from kserve.config import EngineConfig, ModelConfig
 from kserve.engine.block_manager import BlockManager
 from kserve.engine.device import resolve_device, resolve_dtype
-from kserve.engine.errors import PromptRejected
+from kserve.engine.errors import EngineDeadError, EngineStepError, PromptRejected, is_fatal
+from kserve.engine.faults import STEP_FAULTS_KEY
 from kserve.engine.model_runner import ModelRunner, num_kv_blocks_for
 from kserve.engine.output_processor import OutputProcessor
 from kserve.engine.request import Request
@@ -44,11 +45,18 @@ class EngineStats:
     num_preemptions: int
 
 
+# Model steps failing in a row before the engine declares itself dead (EngineConfig.extra can lower it).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+MAX_FAILURES_KEY = "max_consecutive_step_failures"
+
+
 def _is_token_id(value: Any, vocab: int) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < vocab
 
 
 class LLMEngine:
+    consecutive_step_failures = 0  # model steps failed in a row; a step that runs resets it
+
     def __init__(
         self,
         model: Any,
@@ -189,16 +197,25 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[Request]:
-        """Run one scheduled step; return the requests that changed (finished ones included)."""
+        """Run one scheduled step; return the requests that changed (finished ones included).
+
+        A model step that raises fails the requests it ran (their `error` is an EngineStepError).
+        Raises EngineDeadError, after failing them, when the error is fatal (`errors.is_fatal`) or
+        the last `max_consecutive_step_failures` steps all failed: the engine can serve no more.
+        """
         out = self.scheduler.schedule()
         if not out.scheduled:
             return self._unblock()
         sampling = [item.seq for item in out.scheduled if item.samples]
         try:
+            faults = self.config.extra.get(STEP_FAULTS_KEY)  # tests and the fault harness only
+            if faults is not None:
+                faults.before_step()
             logits = self.runner.run(out.scheduled)
             self.scheduler.finish_step(out)
-        except Exception as exc:  # noqa: BLE001 -- a failing step fails its requests, never the engine
-            return self.fail_requests({item.seq.request_id for item in out.scheduled}, exc)
+        except Exception as exc:  # noqa: BLE001 -- fails its requests; the engine only if it keeps failing
+            return self._step_failed(out.scheduled, exc)
+        self.consecutive_step_failures = 0
         sampled = self._sample(logits, sampling) if sampling else None
 
         changed: dict[str, Request] = {}
@@ -224,6 +241,22 @@ class LLMEngine:
             if request.finished:
                 self.requests.pop(request_id, None)
         return list(changed.values())
+
+    @property
+    def max_consecutive_step_failures(self) -> int:
+        return int(self.config.extra.get(MAX_FAILURES_KEY, MAX_CONSECUTIVE_STEP_FAILURES))
+
+    def _step_failed(self, scheduled: list, exc: Exception) -> list[Request]:
+        self.consecutive_step_failures += 1
+        error = EngineStepError(f"the model step running this request failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        failed = self.fail_requests({item.seq.request_id for item in scheduled}, error)
+        count, limit = self.consecutive_step_failures, self.max_consecutive_step_failures
+        if is_fatal(exc) or count >= limit:
+            why = "a fatal error" if is_fatal(exc) else f"{count} failed steps in a row"
+            dead = EngineDeadError(f"the engine is dead after {why}; last error: {type(exc).__name__}: {exc}")
+            raise dead from exc
+        return failed
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample the batch; if that raises, sample row by row so only the failing rows fail."""

@@ -27,6 +27,12 @@ class OutputProcessor:
 
     def append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
         """Record one sampled token and finish the sequence if a stop condition is met."""
+        self._append(seq, token_id, logprob)
+        if seq.logprobs is not None:
+            seq.token_text_ends.append(len(seq.text))
+            self._release_logprobs(seq)
+
+    def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
         params = seq.params
         seq.token_ids.append(token_id)
         num_output = len(seq.token_ids) - seq.num_prompt_tokens
@@ -44,6 +50,10 @@ class OutputProcessor:
                 ignore_eos = False  # the grammar is complete: its stop token ends the completion
                 if not (self.eos_token_ids or params.stop_token_ids):
                     self._finish(seq, "stop", None)  # complete, and no stop token to force
+                    return
+                # The grammar allowed nothing but a stop token: the schema wins over min_tokens.
+                if token_id in self.eos_token_ids or token_id in params.stop_token_ids:
+                    self._finish(seq, "stop", token_id)
                     return
 
         check_stops = num_output >= params.min_tokens
@@ -74,6 +84,27 @@ class OutputProcessor:
     def finish_aborted(self, seq: Sequence) -> None:
         if not seq.is_finished:
             self._finish(seq, "abort", None)
+            if seq.logprobs is not None:
+                self._release_logprobs(seq)
+
+    @staticmethod
+    def _release_logprobs(seq: Sequence) -> None:
+        """Advance `num_released_logprobs`: while running, the tokens whose text is all visible; at
+        the end, every token but those wholly inside a stop string that was cut off."""
+        ends = seq.token_text_ends
+        released = seq.num_released_logprobs
+        if seq.is_finished:
+            if isinstance(seq.stop_reason, str):  # ended by a stop string: its tokens are not shown
+                cut = len(seq.text)
+                while released < len(ends) and (ends[released - 1] if released else 0) < cut:
+                    released += 1
+            else:
+                released = len(ends)
+        else:
+            visible = seq.visible_len
+            while released < len(ends) and ends[released] <= visible:
+                released += 1
+        seq.num_released_logprobs = min(released, len(seq.logprobs or ()))
 
     # ------------------------------------------------------------------ internals
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:

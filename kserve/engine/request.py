@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kserve.engine.outputs import CompletionOutput, RequestOutput
+from kserve.engine.outputs import CompletionDelta, CompletionOutput, RequestDelta, RequestOutput
 from kserve.engine.sampling_params import SamplingParams
 from kserve.engine.sequence import Sequence, SequenceStatus
 
@@ -34,7 +34,7 @@ class Request:
                 index=s.index,
                 text=s.visible_text,
                 token_ids=s.output_token_ids,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                logprobs=s.logprobs[: s.num_released_logprobs] if s.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
             )
@@ -48,3 +48,22 @@ class Request:
             finished=self.finished,
             num_cached_tokens=self.seqs[0].num_cached_tokens if self.seqs else 0,
         )
+
+    def take_delta(self) -> RequestDelta:
+        """What changed since the last call (the first call: everything so far); costs only the news."""
+        parts = []
+        for s in self.seqs:
+            end = max(s.visible_len if not s.is_finished else len(s.text), s.sent_chars)
+            text = s.text[s.sent_chars : end]
+            s.sent_chars = end
+            first_new = s.num_prompt_tokens + s.sent_tokens
+            tokens = s.token_ids[first_new:]
+            s.sent_tokens += len(tokens)
+            logprobs = None
+            if s.logprobs is not None:
+                logprobs = s.logprobs[s.sent_logprobs : s.num_released_logprobs]
+                s.sent_logprobs = max(s.sent_logprobs, s.num_released_logprobs)
+            parts.append(CompletionDelta(s.index, [text] if text else [], tokens, logprobs,
+                                         s.finish_reason, s.stop_reason))
+        return RequestDelta(self.request_id, parts, self.finished,
+                            self.seqs[0].num_cached_tokens if self.seqs else 0)

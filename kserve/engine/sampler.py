@@ -35,6 +35,10 @@ class SamplerOutput:
     errors: dict[int, Exception] = field(default_factory=dict)
 
 
+class EmptyDistributionError(RuntimeError):
+    """Every token of a row was masked: there is nothing to sample."""
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (lowbias32) on int64 tensors holding values in [0, 2**32)."""
     x = x ^ (x >> 16)
@@ -47,7 +51,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def seeded_exponential(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, vocab] Exp(1) noise, a pure function of (seed, position, token id) per row."""
     dev = seeds.device
-    row = _mix32(_mix32(seeds & _M32) ^ _mix32((seeds >> 32) & _M32) ^ (positions & _M32))
+    # Chained, not xor-ed side by side: (lo, hi) and (hi, lo) must not meet (seeds s and s << 32).
+    row = _mix32(_mix32(_mix32((seeds & _M32) ^ 0x3C6EF372) ^ ((seeds >> 32) & _M32)) ^ (positions & _M32))
     col = _mix32(torch.arange(vocab, device=dev, dtype=torch.int64) + 0x9E3779B9)
     # 23 bits keep u strictly below 1 in float32 (with 24, u rounds up to 1.0, the noise to 0, and a
     # masked token's 0/0 = NaN wins the argmax).
@@ -94,16 +99,29 @@ class Sampler:
             self._apply_logit_bias(logits, [(i, seqs[i]) for i in rows[Needs.LOGIT_BIAS]])
         if any_needs & Needs.PENALTIES:
             self._apply_penalties(logits, rows[Needs.PENALTIES], seqs)
-        if any_needs & Needs.MIN_TOKENS:
-            self._apply_min_tokens(logits, [(i, seqs[i]) for i in rows[Needs.MIN_TOKENS]])
         if constrained:
             self._apply_constraints(logits, [(i, seqs[i]) for i in constrained], errors)
+        if any_needs & Needs.MIN_TOKENS:
+            self._apply_min_tokens(logits, [(i, seqs[i]) for i in rows[Needs.MIN_TOKENS]])
 
         if any_needs & Needs.RANDOM:
             sampled = self._sample_random(logits, seqs, rows, any_needs)
         else:
             sampled = logits.argmax(dim=-1)
-        token_ids: list[int] = sampled.tolist()
+        # A row that masking left with no finite logit has no token to give (its argmax would be an
+        # arbitrary 0): it fails its own request. Checked only where masking can empty a row.
+        maskable = constrained or any_needs & Needs.PROCESSORS
+        if maskable:
+            empty = ~torch.isfinite(logits).any(dim=-1)
+            host = torch.stack((sampled, empty.to(sampled.dtype))).tolist()
+            token_ids: list[int] = host[0]
+            for i, is_empty in enumerate(host[1]):
+                if is_empty and i not in errors:
+                    errors[i] = EmptyDistributionError(
+                        "no token is allowed at this position (the logits processors and the grammar "
+                        "together masked the whole vocabulary)")
+        else:
+            token_ids = sampled.tolist()
 
         logprobs: list[TokenLogprob | None] = [None] * batch
         if raw_logprobs is not None:
@@ -163,21 +181,30 @@ class Sampler:
         logits.index_copy_(0, idx, sub)
 
     def _apply_min_tokens(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
+        """Forbid stop tokens before min_tokens, except in a row where nothing else is allowed (a
+        grammar that can only stop): there the stop wins, rather than an empty distribution."""
+        row_ids: list[int] = []
         rows: list[int] = []
         cols: list[int] = []
         vocab = logits.shape[1]
         for i, seq in items:
             if seq.num_output_tokens < seq.params.min_tokens:
-                for tok in self.stop_ids_for(seq):
-                    if 0 <= tok < vocab:
-                        rows.append(i)
-                        cols.append(tok)
-        if rows:
-            dev = logits.device
-            logits.index_put_(
-                (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                torch.tensor(float("-inf"), device=dev),
-            )
+                stops = [t for t in self.stop_ids_for(seq) if 0 <= t < vocab]
+                if stops:
+                    rows.extend([len(row_ids)] * len(stops))
+                    cols.extend(stops)
+                    row_ids.append(i)
+        if not row_ids:
+            return
+        dev = logits.device
+        index = torch.tensor(row_ids, device=dev)
+        before = logits.index_select(0, index)
+        after = before.index_put(
+            (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+            torch.tensor(float("-inf"), device=dev),
+        )
+        keeps_a_token = (after > float("-inf")).any(dim=-1, keepdim=True)
+        logits.index_copy_(0, index, torch.where(keeps_a_token, after, before))
 
     def _apply_constraints(
         self, logits: torch.Tensor, items: list[tuple[int, Sequence]], errors: dict[int, Exception]
@@ -271,7 +298,7 @@ def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     dev = logits.device
     vocab = logits.shape[1]
     params = [seqs[i].params for i in rows]
-    ks = [p.top_k if p.top_k not in (-1, 0, None) else vocab for p in params]
+    ks = [min(p.top_k, vocab) if p.top_k not in (-1, 0, None) else vocab for p in params]
     sub = logits if len(rows) == len(seqs) else logits[rows]
     width = max(ks)
     if width < vocab // 2:

@@ -2,7 +2,9 @@
 
 Each step fills a token budget (`max_num_batched_tokens`). Running sequences go first, decodes
 before unfinished prefills, then waiting sequences in arrival order (FCFS), whose prompts are cut
-into chunks when they do not fit. When the cache runs out of blocks, the most recently admitted
+into chunks when they do not fit. When the budget is smaller than the running set (more decodes
+than `max_num_batched_tokens`), the next step starts with the sequences that ran least recently, so
+every running sequence advances, round-robin. When the cache runs out of blocks, the most recently admitted
 running sequence is preempted: its blocks are freed and it goes back to the front of the queue to
 be recomputed later (prompt plus every token it already generated), usually mostly from the
 prefix cache.
@@ -10,6 +12,7 @@ prefix cache.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -51,6 +54,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self._serials = itertools.count()  # stamps scheduled sequences in order: least recent = lowest
+        self._budget_ran_out = False  # last step left running sequences unscheduled
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -70,9 +75,13 @@ class Scheduler:
         for seq in self.running:
             (pending if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefilling).append(seq)
         pending += prefilling
+        if self._budget_ran_out:  # least recently run first: round-robin while the budget is short
+            pending.sort(key=_last_scheduled)
+        self._budget_ran_out = False
         bm = self.block_manager
         for seq in pending:
             if budget == 0:
+                self._budget_ran_out = True
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -92,6 +101,7 @@ class Scheduler:
                 continue
             out.scheduled.append(ScheduledSeq(seq, num_new))
             scheduled_ids.add(seq.seq_id)
+            seq.last_scheduled_step = next(self._serials)
             budget -= num_new
 
         if out.preempted:
@@ -114,6 +124,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
+            seq.last_scheduled_step = next(self._serials)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return out
@@ -155,6 +166,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def _last_scheduled(seq: Sequence) -> int:
+    return seq.last_scheduled_step
 
 
 def _prompt_ready(parent: Sequence) -> bool:

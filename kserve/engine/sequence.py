@@ -91,6 +91,15 @@ class Sequence:
         self.detokenizer: Any = None
         self.text = ""  # all decoded text so far (may end with a held-back stop-string prefix)
         self.visible_len = 0  # chars of `text` safe to show while running
+        # With logprobs: len(text) after each output token, and how many logprobs are safe to show
+        # (a token's logprob is shown with its text, so none of a stop string that gets cut).
+        self.token_text_ends: list[int] = []
+        self.num_released_logprobs = 0
+        # What the server has been sent already (Request.take_delta): chars, output tokens, logprobs.
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.sent_logprobs = 0
+        self.last_scheduled_step = -1  # the scheduler's serial when this last ran (orders round-robin)
 
     @property
     def num_tokens(self) -> int:
