@@ -12,10 +12,6 @@ class EngineDeadError(RuntimeError):
     """The engine's step loop has stopped for good; no request can be served any more."""
 
 
-class EngineStepError(RuntimeError):
-    """The model step that ran this request failed (the engine itself may still be healthy)."""
-
-
 class FatalEngineError(RuntimeError):
     """An error after which the engine cannot run another step (a sticky device error, a lost worker)."""
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import numbers
 import random
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch
 from kserve.config import EngineConfig, ModelConfig
 from kserve.engine.block_manager import BlockManager
 from kserve.engine.device import resolve_device, resolve_dtype
-from kserve.engine.errors import EngineDeadError, EngineStepError, PromptRejected, is_fatal
+from kserve.engine.errors import EngineDeadError, PromptRejected, is_fatal
 from kserve.engine.faults import STEP_FAULTS_KEY
 from kserve.engine.model_runner import ModelRunner, num_kv_blocks_for
 from kserve.engine.output_processor import OutputProcessor
@@ -44,6 +45,8 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions: int
 
+
+logger = logging.getLogger(__name__)
 
 # Model steps failing in a row before the engine declares itself dead (EngineConfig.extra can lower it).
 MAX_CONSECUTIVE_STEP_FAILURES = 3
@@ -199,9 +202,11 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Run one scheduled step; return the requests that changed (finished ones included).
 
-        A model step that raises fails the requests it ran (their `error` is an EngineStepError).
-        Raises EngineDeadError, after failing them, when the error is fatal (`errors.is_fatal`) or
-        the last `max_consecutive_step_failures` steps all failed: the engine can serve no more.
+        A model step that raises changes nothing: the same work is scheduled again next step (a
+        transient fault is invisible to requests). Raises EngineDeadError when the error is fatal
+        (`errors.is_fatal`) or `max_consecutive_step_failures` steps in a row failed: the engine can
+        serve no more. Per-request failures (a logits processor or grammar raising, a row with no
+        allowed token) fail only their request and never count here.
         """
         out = self.scheduler.schedule()
         if not out.scheduled:
@@ -213,8 +218,8 @@ class LLMEngine:
                 faults.before_step()
             logits = self.runner.run(out.scheduled)
             self.scheduler.finish_step(out)
-        except Exception as exc:  # noqa: BLE001 -- fails its requests; the engine only if it keeps failing
-            return self._step_failed(out.scheduled, exc)
+        except Exception as exc:  # noqa: BLE001 -- retried; the engine dies only if it keeps failing
+            return self._step_failed(exc)
         self.consecutive_step_failures = 0
         sampled = self._sample(logits, sampling) if sampling else None
 
@@ -246,17 +251,18 @@ class LLMEngine:
     def max_consecutive_step_failures(self) -> int:
         return int(self.config.extra.get(MAX_FAILURES_KEY, MAX_CONSECUTIVE_STEP_FAILURES))
 
-    def _step_failed(self, scheduled: list, exc: Exception) -> list[Request]:
+    def _step_failed(self, exc: Exception) -> list[Request]:
+        """Nothing the failed step did is kept (computed counts, prefix cache, samples); its blocks stay
+        with their sequences, which `append_slots` reuses when the step is scheduled again."""
         self.consecutive_step_failures += 1
-        error = EngineStepError(f"the model step running this request failed: {type(exc).__name__}: {exc}")
-        error.__cause__ = exc
-        failed = self.fail_requests({item.seq.request_id for item in scheduled}, error)
         count, limit = self.consecutive_step_failures, self.max_consecutive_step_failures
-        if is_fatal(exc) or count >= limit:
-            why = "a fatal error" if is_fatal(exc) else f"{count} failed steps in a row"
-            dead = EngineDeadError(f"the engine is dead after {why}; last error: {type(exc).__name__}: {exc}")
-            raise dead from exc
-        return failed
+        fatal = is_fatal(exc)
+        if not fatal and count < limit:
+            logger.warning("model step failed (%d of %d in a row before the engine is declared dead); "
+                           "retrying: %s: %s", count, limit, type(exc).__name__, exc)
+            return []
+        why = "a fatal error" if fatal else f"{count} failed steps in a row"
+        raise EngineDeadError(f"the engine is dead after {why}; last error: {type(exc).__name__}: {exc}") from exc
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample the batch; if that raises, sample row by row so only the failing rows fail."""
