@@ -1,0 +1,98 @@
+"""A decode forward never reads device data on the host.
+
+Dynamo traces the whole decode step (model forward + compute_logits for a decode-only batch) with
+`fullgraph=True`: any `.item()`, `.tolist()`, `nonzero`, `unique`, boolean-mask indexing or branch on a
+tensor's value is a graph break or a data-dependent guard, and fullgraph turns either into an error.
+The kernels are custom ops with fake implementations, so they trace as opaque calls. The same check
+is shown to fail on a deliberate `.item()` and on the old per-expert MoE loop.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kserve.model import ForwardBatch, load_model
+
+BLOCK = 16
+
+
+def trace_fullgraph(fn, *args):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend="eager")(*args)
+
+
+def test_a_host_read_is_caught() -> None:
+    def reads_back(x: torch.Tensor) -> torch.Tensor:
+        if x.sum().item() > 0:  # the host read this check exists to catch
+            return x * 2
+        return x
+
+    with pytest.raises(Exception, match=r"(?i)item|data-dependent|graph break"):
+        trace_fullgraph(reads_back, torch.ones(3))
+
+
+@pytest.fixture(scope="module")
+def decode_setup(tiny_k2_dir):
+    pytest.importorskip("kserve.kernels.fused_moe", reason="the MoE still loops over experts on the host without it")
+    model = load_model(tiny_k2_dir)
+    c = model.config
+    cache = torch.zeros(c.num_hidden_layers, 16, BLOCK, c.kv_cache_dim)
+    prompts = [torch.arange(3, 3 + 17), torch.arange(40, 40 + 5), torch.arange(100, 100 + 33)]
+    lens = [p.numel() for p in prompts]
+    model(torch.cat(prompts), ForwardBatch.contiguous(lens, lens, BLOCK), cache)
+    # one decode token each; the first crosses a block boundary, the last fills block 3's first slot
+    batch = ForwardBatch.contiguous([1, 1, 1], [n + 1 for n in lens], BLOCK)
+    return model, cache, batch
+
+
+def test_decode_forward_traces_whole(decode_setup) -> None:
+    model, cache, batch = decode_setup
+    assert batch.is_decode_only
+
+    def decode_step(ids, batch, cache):
+        return model.compute_logits(model(ids, batch, cache))
+
+    ids = torch.tensor([7, 8, 9])
+    traced = trace_fullgraph(decode_step, ids, batch, cache.clone())
+    eager = decode_step(ids, batch, cache.clone())
+    torch.testing.assert_close(traced, eager)
+
+
+def test_padding_rows_trace_and_give_finite_outputs(decode_setup) -> None:
+    """A CUDA-graph bucket's padding rows: context length 0 and a scratch slot."""
+    model, cache, batch = decode_setup
+    scratch = cache.shape[1] * BLOCK - 1  # the last slot of the last block, owned by no sequence above
+    padded = ForwardBatch(
+        positions=torch.cat([batch.positions, torch.zeros(1, dtype=torch.long)]),
+        slot_mapping=torch.cat([batch.slot_mapping, torch.tensor([scratch])]),
+        block_tables=torch.cat([batch.block_tables, torch.zeros(1, batch.block_tables.shape[1], dtype=torch.int32)]),
+        context_lens=torch.cat([batch.context_lens, torch.zeros(1, dtype=torch.int32)]),
+        query_start_loc=torch.arange(5, dtype=torch.int32),
+        query_lens=[1] * 4,
+        context_lens_host=batch.context_lens_host + [0],
+        block_size=BLOCK,
+        num_decode_seqs=4,
+        prefill=None,
+    )
+
+    def decode_step(ids, batch, cache):
+        return model.compute_logits(model(ids, batch, cache))
+
+    out = trace_fullgraph(decode_step, torch.tensor([7, 8, 9, 0]), padded, cache.clone())
+    assert torch.isfinite(out).all()
+    # a different batch size may pick other matmul blockings: equal up to rounding
+    torch.testing.assert_close(out[:3], decode_step(torch.tensor([7, 8, 9]), batch, cache.clone()), rtol=1e-4, atol=1e-4)
+
+
+def test_the_old_per_expert_loop_would_fail(decode_setup, monkeypatch) -> None:
+    import kserve.layers.moe as moe
+
+    model, cache, batch = decode_setup
+    monkeypatch.setattr(moe, "_fused_moe", None)  # the pre-kernel loop: unique().tolist() per layer
+
+    def decode_step(ids, batch, cache):
+        return model.compute_logits(model(ids, batch, cache))
+
+    with pytest.raises(Exception, match=r"(?i)data-dependent|item|tolist|graph break"):
+        trace_fullgraph(decode_step, torch.tensor([7, 8, 9]), batch, cache.clone())
