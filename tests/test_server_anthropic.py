@@ -7,6 +7,7 @@ grammar-constrained exactly like chat's required/named), and compare prompts the
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -16,11 +17,16 @@ openai = pytest.importorskip("openai")
 
 from starlette.requests import Request  # noqa: E402
 
+from kserve.chat import ToolCall as ParsedToolCall  # noqa: E402
 from kserve.config import EngineConfig  # noqa: E402
-from kserve.server.anthropic_messages import check_api_key  # noqa: E402
+from kserve.server import anthropic_messages  # noqa: E402
+from kserve.server.anthropic_messages import chat_messages, check_api_key  # noqa: E402
+from kserve.server.anthropic_protocol import MessagesRequest  # noqa: E402
+from kserve.server.chat_turn import FinishedTurn, TurnDelta, TurnUsage  # noqa: E402
 from kserve.server.context import ServerSettings  # noqa: E402
 from kserve.server.errors import APIError  # noqa: E402
 from kserve.server.launch import BackgroundServer  # noqa: E402
+from kserve.server.protocol import FunctionCallDelta, ToolCallDeltaOut  # noqa: E402
 
 WEATHER = {"name": "get_weather", "description": "Current weather for a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
@@ -224,3 +230,90 @@ def test_api_key_by_x_api_key_or_bearer():
         with pytest.raises(APIError) as info:
             check_api_key(_request(headers), "sekrit")
         assert info.value.status == 401
+
+
+def _scripted_turn():
+    """A K2-Thinking style turn: reasoning, text, then one call, as the chat path's stream parsers emit it."""
+    header = ToolCallDeltaOut(index=0, id="functions.get_weather:0", type="function",
+                              function=FunctionCallDelta(name="get_weather", arguments=""))
+    deltas = [TurnDelta(reasoning="Let me "), TurnDelta(reasoning="think.", content="It is"),
+              TurnDelta(content=" sunny.", calls=[header]),
+              TurnDelta(calls=[ToolCallDeltaOut(index=0, function=FunctionCallDelta(arguments='{"city": '))]),
+              TurnDelta(calls=[ToolCallDeltaOut(index=0, function=FunctionCallDelta(arguments='"Rome"}'))])]
+    call = ParsedToolCall(id="functions.get_weather:0", name="get_weather", arguments='{"city": "Rome"}', index=0,
+                          valid_json=True, known_tool=True)
+    finished = FinishedTurn("Let me think.", "It is sunny.", [call], "tool_calls", None, TurnUsage(40, 12, 16))
+    return deltas, finished
+
+
+@pytest.fixture
+def scripted_turn(monkeypatch):
+    """The engine driver replaced by a scripted reasoning + text + call turn (the wire writer is under test)."""
+    deltas, finished = _scripted_turn()
+
+    async def stream(ctx, prep):
+        for delta in deltas:
+            yield delta
+        yield finished
+
+    async def run(ctx, prep, request):
+        return finished
+
+    monkeypatch.setattr(anthropic_messages, "stream_turn", stream)
+    monkeypatch.setattr(anthropic_messages, "run_turn", run)
+
+
+def test_thinking_text_and_tool_use_blocks_stream_as_the_sdk_expects(client, ctx, scripted_turn):
+    kw = dict(model=ctx.model_name, max_tokens=64, tools=[WEATHER], messages=[{"role": "user", "content": QUESTION}])
+    plain = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert set(deltas) == {"thinking_delta", "text_delta", "input_json_delta"}
+    assert [b.type for b in plain.content] == ["thinking", "text", "tool_use"]
+    assert plain.content[0].thinking == "Let me think." and plain.content[1].text == "It is sunny."
+    assert plain.content[2].input == {"city": "Rome"} and plain.stop_reason == "tool_use"
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in plain.content]
+    assert final.usage.model_dump() == plain.usage.model_dump()
+    assert (plain.usage.input_tokens, plain.usage.cache_read_input_tokens, plain.usage.output_tokens) == (24, 16, 12)
+
+
+def test_history_blocks_translate_to_chat_turns():
+    req = MessagesRequest.model_validate({"model": "m", "max_tokens": 4, "system": [{"type": "text", "text": "a"},
+                                                                                   {"type": "text", "text": "b"}],
+                                          "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "s"},
+                                          {"type": "redacted_thinking", "data": "opaque"},
+                                          {"type": "text", "text": "calling"},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"x": "é"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "done",
+                                      "is_error": True}, {"type": "text", "text": "next"}]},
+    ]})
+    assert chat_messages(req) == [
+        {"role": "system", "content": "ab"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "calling", "reasoning_content": "hmm", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "f", "arguments": '{"x": "é"}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "done"},
+        {"role": "user", "content": "next"},
+    ]
+
+
+def test_client_disconnect_mid_stream_aborts_the_generation(server, ctx):
+    engine = ctx.engine
+    body = {"model": ctx.model_name, "max_tokens": 4000, "stream": True, "messages": [{"role": "user", "content": "go"}]}
+    http = httpx.Client(timeout=60)
+    with http, http.stream("POST", server.base_url + "/v1/messages", json=body) as resp:
+        lines = resp.iter_lines()  # kept alive: dropping it would close the connection early
+        deltas = 0
+        while deltas < 4:  # a few tokens in: the request is decoding
+            deltas += "content_block_delta" in next(lines)
+        during = engine.stats()
+        assert during.num_running == 1
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and engine.stats().num_running + engine.stats().num_waiting:
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.generation_tokens_total < during.generation_tokens_total + 1000  # stopped well before 4000

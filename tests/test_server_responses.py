@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Literal
 
 import httpx
@@ -18,11 +19,15 @@ openai = pytest.importorskip("openai")
 
 from pydantic import BaseModel  # noqa: E402
 
+from kserve.chat import ToolCall as ParsedToolCall  # noqa: E402
 from kserve.config import EngineConfig  # noqa: E402
+from kserve.server import openai_responses  # noqa: E402
+from kserve.server.chat_turn import FinishedTurn, TurnDelta, TurnUsage  # noqa: E402
 from kserve.server.context import ServerSettings  # noqa: E402
 from kserve.server.errors import APIError  # noqa: E402
 from kserve.server.launch import BackgroundServer  # noqa: E402
-from kserve.server.openai_responses import prepare_response  # noqa: E402
+from kserve.server.openai_responses import chat_messages, prepare_response  # noqa: E402
+from kserve.server.protocol import FunctionCallDelta, ToolCallDeltaOut  # noqa: E402
 from kserve.server.responses_protocol import ResponsesRequest  # noqa: E402
 from kserve.server.responses_store import ResponseStore, StoredResponse  # noqa: E402
 
@@ -72,6 +77,15 @@ def engine_prompts(ctx):
     del ctx.engine.generate
 
 
+def _items(response):
+    """Output items without their ids (minted per response) and the SDK's parse-helper fields."""
+    def clean(value):
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if k not in ("id", "parsed", "parsed_arguments")}
+        return [clean(v) for v in value] if isinstance(value, list) else value
+    return clean([item.model_dump() for item in response.output])
+
+
 def _forced_call(client, ctx, **kw):
     return client.responses.create(model=ctx.model_name, input=QUESTION, tools=[WEATHER], tool_choice="required",
                                    parallel_tool_calls=False, temperature=0, max_output_tokens=64, **kw)
@@ -116,9 +130,7 @@ def test_function_call_streamed_and_not(client, ctx):
         calls = [item for item in resp.output if item.type == "function_call"]
         assert len(calls) == 1 and calls[0].name == "get_weather"
         assert json.loads(calls[0].arguments)["city"] in ("Paris", "Rome")
-    strip = {"id", "parsed_arguments"}  # item ids are minted per response; the stream helper adds parsed_arguments
-    assert ([item.model_dump(exclude=strip) for item in final.output]
-            == [item.model_dump(exclude=strip) for item in plain.output])
+    assert _items(final) == _items(plain)
     assert final.usage.output_tokens == plain.usage.output_tokens
 
 
@@ -215,3 +227,92 @@ def test_store_off_refuses_store_and_previous_response_id():
             asyncio.run(prepare_response(None, store, ResponsesRequest.model_validate(raw), raw))
         assert info.value.status == 400 and info.value.code == "response_store_disabled"
         assert "--responses-store-size" in info.value.message
+
+
+@pytest.fixture
+def scripted_turn(monkeypatch):
+    """The engine driver replaced by a scripted reasoning + text + call turn (the wire writer is under test)."""
+    header = ToolCallDeltaOut(index=0, id="functions.get_weather:0", type="function",
+                              function=FunctionCallDelta(name="get_weather", arguments=""))
+    deltas = [TurnDelta(reasoning="Let me "), TurnDelta(reasoning="think.", content="It is"),
+              TurnDelta(content=" sunny.", calls=[header]),
+              TurnDelta(calls=[ToolCallDeltaOut(index=0, function=FunctionCallDelta(arguments='{"city": "Rome"}'))])]
+    call = ParsedToolCall(id="functions.get_weather:0", name="get_weather", arguments='{"city": "Rome"}', index=0,
+                          valid_json=True, known_tool=True)
+    finished = FinishedTurn("Let me think.", "It is sunny.", [call], "tool_calls", None, TurnUsage(40, 12, 16))
+
+    async def stream(ctx, prep):
+        for delta in deltas:
+            yield delta
+        yield finished
+
+    async def run(ctx, prep, request):
+        return finished
+
+    monkeypatch.setattr(openai_responses, "stream_turn", stream)
+    monkeypatch.setattr(openai_responses, "run_turn", run)
+
+
+def test_reasoning_message_and_call_items_stream_as_the_sdk_expects(client, ctx, scripted_turn):
+    kw = dict(model=ctx.model_name, input=QUESTION, tools=[WEATHER])
+    plain = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.reasoning_text.delta" in kinds and "response.reasoning_text.done" in kinds
+    assert [item.type for item in plain.output] == ["reasoning", "message", "function_call"]
+    assert plain.output[0].content[0].text == "Let me think." and plain.output_text == "It is sunny."
+    assert plain.output[2].call_id == "functions.get_weather:0" and plain.output[2].arguments == '{"city": "Rome"}'
+    assert plain.usage.input_tokens_details.cached_tokens == 16 and plain.usage.output_tokens_details.reasoning_tokens > 0
+    assert _items(final) == _items(plain)
+    assert final.usage.model_dump() == plain.usage.model_dump()
+    numbers = [int(line.split('"sequence_number":')[1].rstrip("}")) for line in _raw_stream(client, kw)]
+    assert numbers == list(range(len(numbers)))
+
+
+def _raw_stream(client, kw):
+    body = {**kw, "stream": True}
+    with httpx.stream("POST", str(client.base_url) + "/responses", json=body, timeout=60) as resp:
+        return [line for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+def test_input_items_translate_to_chat_turns():
+    items = [("a", {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "d"}]}),
+             ("b", {"type": "message", "role": "user", "content": "q"}),
+             ("c", {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "hmm"}]}),
+             ("d", {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "calling"}]}),
+             ("e", {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}),
+             ("f", {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"}),
+             ("g", {"type": "function_call_output", "call_id": "c2", "output": "two"}),
+             ("h", {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "1"}]}),
+             ("i", {"type": "message", "role": "assistant", "content": "end"})]
+    assert chat_messages("sys", items) == [
+        {"role": "system", "content": "sys"},
+        {"role": "developer", "content": "d"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "calling", "reasoning_content": "hmm", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        {"role": "assistant", "content": "end"},
+    ]
+
+
+def test_client_disconnect_mid_stream_aborts_the_generation(server, ctx):
+    engine = ctx.engine
+    body = {"model": ctx.model_name, "max_output_tokens": 4000, "stream": True, "input": "go"}
+    http = httpx.Client(timeout=60)
+    with http, http.stream("POST", server.base_url + "/v1/responses", json=body) as resp:
+        lines = resp.iter_lines()  # kept alive: dropping it would close the connection early
+        deltas = 0
+        while deltas < 4:  # a few tokens in: the request is decoding
+            deltas += "response.output_text.delta" in next(lines)
+        during = engine.stats()
+        assert during.num_running == 1
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and engine.stats().num_running + engine.stats().num_waiting:
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.generation_tokens_total < during.generation_tokens_total + 1000  # stopped well before 4000

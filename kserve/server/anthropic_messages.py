@@ -15,6 +15,7 @@ content blocks, `stop_reason`, usage, errors and the event stream.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -447,17 +448,18 @@ async def stream_messages(ctx: ServingContext, prep: PreparedChat) -> AsyncItera
     yield sse({"type": "ping"})
     blocks = _ContentBlocks()
     try:
-        async for event in stream_turn(ctx, prep):
-            if isinstance(event, TurnDelta):
-                for text in blocks.feed(event):
+        async with contextlib.aclosing(stream_turn(ctx, prep)) as events:  # closing aborts the engine request now
+            async for event in events:
+                if isinstance(event, TurnDelta):
+                    for text in blocks.feed(event):
+                        yield text
+                    continue
+                for text in blocks.close():
                     yield text
-                continue
-            for text in blocks.close():
-                yield text
-            yield sse({"type": "message_delta",
-                       "delta": {"stop_reason": _stop_reason(event), "stop_sequence": event.stop_sequence},
-                       "usage": _usage(event)})
-            yield sse({"type": "message_stop"})
+                yield sse({"type": "message_delta",
+                           "delta": {"stop_reason": _stop_reason(event), "stop_sequence": event.stop_sequence},
+                           "usage": _usage(event)})
+                yield sse({"type": "message_stop"})
     except APIError as exc:
         logger.warning("request %s: %s", prep.request_id, exc.message)
         yield sse(error_body(exc))

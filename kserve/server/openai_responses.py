@@ -12,6 +12,7 @@ as OpenAI does); consecutive reasoning / assistant message / function_call items
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -480,16 +481,17 @@ async def stream_response(ctx: ServingContext, store: ResponseStore, prep: Prepa
     yield writer.event("response.created", response=started)
     yield writer.event("response.in_progress", response=started)
     try:
-        async for event in stream_turn(ctx, prep.chat):
-            if isinstance(event, TurnDelta):
-                for text in writer.feed(event):
+        async with contextlib.aclosing(stream_turn(ctx, prep.chat)) as events:  # closing aborts the engine request
+            async for event in events:
+                if isinstance(event, TurnDelta):
+                    for text in writer.feed(event):
+                        yield text
+                    continue
+                for text in writer.finish(event):
                     yield text
-                continue
-            for text in writer.finish(event):
-                yield text
-            response = _finished(ctx, store, prep, event, writer.output)
-            kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-            yield writer.event(kind, response=response)
+                response = _finished(ctx, store, prep, event, writer.output)
+                kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+                yield writer.event(kind, response=response)
     except Exception as exc:
         if isinstance(exc, APIError):
             logger.warning("request %s: %s", prep.response_id, exc.message)
