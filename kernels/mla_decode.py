@@ -24,25 +24,38 @@ Public entry points
 - `mla_decode_triton(...)`: the Triton kernel, also run under TRITON_INTERPRET=1 in the tests with
   fp32/fp16 caches (and fp32 containers holding FP8 values for the FP8 case).
 
-Triton kernel design (tuned by reasoning for H200 / sm90; there was no GPU to measure on here)
+Triton kernel design for H200 (sm90). There was no GPU to time on, so the tiles were chosen from
+the sm90 resources ptxas reports for ahead-of-time builds (the slow test
+`test_split_kernel_compiles_for_sm90_without_spills` rebuilds the production launches and checks them):
 - Grid (head tiles, batch, KV splits). A program takes BLOCK_H = 16 heads of one sequence (16 is the
   smallest M of a tensor-core MMA; K2 at TP8 has 8 heads per rank, so one tile covers them all and
   each latent row is read from HBM once per step, which is the point of MQA) and one contiguous piece
   of that sequence's context. Heads beyond H are masked. Head tiles are the fastest grid axis, so
   with more heads (64 without TP) the tiles of one sequence run side by side and share its latent
-  rows through L2 rather than each fetching them from HBM.
+  rows through L2. Larger head tiles (32, 64) need 167-255 registers a thread or spill.
+- Tiles: bf16/fp16 caches use BLOCK_N = 32 tokens, 8 warps, 3 stages: 98 registers a thread, no
+  spills, 55 KiB shared memory, latent tiles streamed with cp.async; so two CTAs (16 warps) stay
+  resident per SM, each with a 36 KiB [32, 576] tile in flight, above the ~30 KiB per SM that H200's
+  4.8 TB/s needs at ~1 us latency. With 4 warps the same tile needs 182 registers (one CTA per SM);
+  BLOCK_N = 64 needs 128 (8 warps) to 186 (4 warps) registers and 93 KiB for no more bytes in flight
+  per SM. The tile is loaded once in its natural (coalesced) layout and
+  used transposed for Q.K and as is for P.V: c_kv is both key and value.
+- FP8 caches (`transposed_k`): loading one fp8 tile and converting it for both dots keeps the
+  latent load out of the async-copy pipeline (172 registers). Loading K as [C, N] and V as [N, C]
+  separately pipelines both (128 registers, 53 KiB); the second read of the same rows is served by
+  L1/L2, so HBM traffic is unchanged (half of bf16's).
+- fp32 queries (CPU-parity runs on a GPU) use BLOCK_N = 16 and IEEE fp32 dots (no TF32).
+- The block-table lookup inside the loop limits Triton's pipeliner to one buffer per tile (more
+  stages do not add buffers), which is why occupancy, not stages, hides the latency.
 - Each sequence's own context is cut into `num_splits` pieces (rounded up to BLOCK_N tokens) on the
   device, so short and long sequences both spread over all splits. `num_splits` comes from shapes
-  only (batch, head tiles, block-table width), so it is fixed for a CUDA graph: enough programs for
-  about two waves over the SMs (132 on H200), at least MIN_TOKENS_PER_SPLIT tokens per split so the
-  merge stays cheap next to the KV read, at most MAX_SPLITS. At batch >= ~2 x SMs / head tiles there
-  is one split, written straight to the output with no merge.
-- BLOCK_N = 32 tokens per step: a [32, 576] bf16 tile is 36 KiB, two stages of it fit H200's shared
-  memory next to the q tile, and the [16, 512] fp32 accumulator over 4 warps is 64 registers a thread.
-  The tile is loaded once in its natural (coalesced) layout and used both transposed (for Q.K) and
-  as is (for P.V): c_kv is both key and value.
+  only (batch, heads, block-table width), so it is fixed for a CUDA graph: enough programs for two
+  waves of two CTAs per SM (PROGRAMS_PER_SM x 132 SMs); each split covers at least
+  max(128, 32 x heads) tokens, so the fp32 partial outputs (heads x 512 x 4 bytes written and read
+  per split) stay under ~11% of the latent bytes read; at most MAX_SPLITS. With one split the kernel
+  writes the output directly and no merge runs (batch >= 528 at 8 heads).
 - Dots run in the query's dtype (bf16 in the model) with fp32 accumulation; the softmax runs in fp32
-  in the exp2 domain. fp32 queries use IEEE fp32 dots (no TF32), so fp32 parity runs stay exact.
+  in the exp2 domain; kv_scale is folded into the exp2 scale and the final output.
 - Splits store a normalized partial output and its log-sum-exp (base 2); a second small kernel
   merges them per (sequence, head), with an all-empty row (context 0) merging to zeros.
 """
@@ -170,16 +183,18 @@ def mla_decode_torch(
 class DecodeLaunch:
     """How the Triton kernel is launched for one shape."""
 
-    block_h: int
-    block_n: int
-    num_splits: int
+    block_h: int  # heads per program
+    block_n: int  # tokens per inner step
+    num_splits: int  # KV pieces per sequence
     num_warps: int
     num_stages: int
+    transposed_k: bool  # load K as [C, N] and V as [N, C] separately instead of one [N, C] tile
 
 
 BLOCK_H = 16
-BLOCK_N = 32
-MIN_TOKENS_PER_SPLIT = 128
+PROGRAMS_PER_SM = 4  # two resident CTAs per SM with the tiles below, two waves of them
+MIN_SPLIT_TOKENS = 128
+SPLIT_TOKENS_PER_HEAD = 32  # keeps partial-output traffic under ~11% of the latent reads
 MAX_SPLITS = 64
 DEFAULT_NUM_SMS = 132  # H200; used when no CUDA device is queried (the interpreter)
 
@@ -190,18 +205,30 @@ def _num_sms(device_index: int) -> int:
 
 
 def choose_launch(
-    batch: int, heads: int, max_context: int, num_sms: int = DEFAULT_NUM_SMS, num_splits: int | None = None
+    batch: int,
+    heads: int,
+    max_context: int,
+    cache_dtype: torch.dtype = torch.bfloat16,
+    query_dtype: torch.dtype = torch.bfloat16,
+    num_sms: int = DEFAULT_NUM_SMS,
+    num_splits: int | None = None,
 ) -> DecodeLaunch:
-    """Pick tiles and the KV split count from shapes only (fixed for a CUDA graph of that shape)."""
+    """Pick tiles and the KV split count from shapes and dtypes only (fixed for a CUDA graph)."""
     head_tiles = -(-heads // BLOCK_H)
     if num_splits is None:
         programs = max(1, batch * head_tiles)
-        wanted = -(-2 * num_sms // programs)
-        by_length = max(1, -(-max_context // MIN_TOKENS_PER_SPLIT))
+        wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
+        min_tokens = max(MIN_SPLIT_TOKENS, SPLIT_TOKENS_PER_HEAD * heads)
+        by_length = max(1, -(-max_context // min_tokens))
         num_splits = max(1, min(wanted, by_length, MAX_SPLITS))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    return DecodeLaunch(block_h=BLOCK_H, block_n=BLOCK_N, num_splits=num_splits, num_warps=4, num_stages=2)
+    if query_dtype == torch.float32:
+        # fp32 tiles are twice as wide; 16 tokens keep them in registers (a CPU-parity path on GPU)
+        return DecodeLaunch(BLOCK_H, 16, num_splits, num_warps=8, num_stages=3, transposed_k=False)
+    # FP8 latents go through the async-copy pipeline only when each dot reads its own tile
+    transposed_k = cache_dtype in _FP8_DTYPES
+    return DecodeLaunch(BLOCK_H, 32, num_splits, num_warps=8, num_stages=3, transposed_k=transposed_k)
 
 
 @functools.lru_cache(maxsize=1)
@@ -218,7 +245,7 @@ def _kernels():
         stride_out_b, stride_out_h, stride_out_s, stride_lse_b, stride_lse_h,
         LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, STORE_LSE: tl.constexpr, IEEE_DOT: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, STORE_LSE: tl.constexpr, IEEE_DOT: tl.constexpr, TRANSPOSED_K: tl.constexpr,
     ):
         # head tiles vary fastest, so the tiles of one sequence run together and share its KV in L2
         head_tile = tl.program_id(0)
@@ -257,23 +284,36 @@ def _kernels():
             )
             block = tl.maximum(block, 0).to(tl.int64)  # a -1 pad inside the context must not fault
             rows = cache_ptr + block * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_slot
-            latent = tl.load(
-                rows[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0
-            ).to(q_lat.dtype)
-            k_pe = tl.load(
-                rows[:, None] + LATENT_DIM + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0
-            ).to(q_lat.dtype)
-            if IEEE_DOT:
-                qk = tl.dot(q_lat, tl.trans(latent), input_precision="ieee")
-                qk += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+            if TRANSPOSED_K:
+                keys = tl.load(
+                    rows[None, :] + offs_c[:, None], mask=mask_c[:, None] & mask_n[None, :], other=0.0
+                ).to(q_lat.dtype)
+                keys_pe = tl.load(
+                    rows[None, :] + LATENT_DIM + offs_r[:, None], mask=mask_r[:, None] & mask_n[None, :], other=0.0
+                ).to(q_lat.dtype)
             else:
-                qk = tl.dot(q_lat, tl.trans(latent))
-                qk += tl.dot(q_pe, tl.trans(k_pe))
+                latent = tl.load(
+                    rows[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0
+                ).to(q_lat.dtype)
+                keys = tl.trans(latent)
+                keys_pe = tl.trans(tl.load(
+                    rows[:, None] + LATENT_DIM + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0
+                ).to(q_lat.dtype))
+            if IEEE_DOT:
+                qk = tl.dot(q_lat, keys, input_precision="ieee")
+                qk += tl.dot(q_pe, keys_pe, input_precision="ieee")
+            else:
+                qk = tl.dot(q_lat, keys)
+                qk += tl.dot(q_pe, keys_pe)
             qk = tl.where(mask_n[None, :], qk * qk_scale_log2, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(qk, axis=1))
             rescale = tl.exp2(row_max - new_max)
             probs = tl.exp2(qk - new_max[:, None])
             row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+            if TRANSPOSED_K:  # the second read of these rows is served from L1/L2, not HBM
+                latent = tl.load(
+                    rows[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0
+                ).to(q_lat.dtype)
             if IEEE_DOT:
                 acc = acc * rescale[:, None] + tl.dot(probs, latent, input_precision="ieee")
             else:
@@ -328,8 +368,9 @@ def mla_decode_triton(
     scale: float,
     kv_scale: float = 1.0,
     num_splits: int | None = None,
+    launch: DecodeLaunch | None = None,
 ) -> torch.Tensor:
-    """The Triton kernel; o_lat [B, H, C] fp32. `num_splits` overrides the shape heuristic (tests)."""
+    """The Triton kernel; o_lat [B, H, C] fp32. `num_splits` / `launch` override the heuristics (tests)."""
     import triton
 
     batch, heads, latent_dim = q_lat.shape
@@ -350,7 +391,10 @@ def mla_decode_triton(
         num_sms = _num_sms(index)
     else:
         num_sms = DEFAULT_NUM_SMS
-    launch = choose_launch(batch, heads, max_blocks * block_size, num_sms, num_splits)
+    if launch is None:
+        launch = choose_launch(
+            batch, heads, max_blocks * block_size, kv_cache.dtype, q_lat.dtype, num_sms, num_splits
+        )
     splits = launch.num_splits
     if splits == 1:
         partial, lse = out.unsqueeze(2), out  # lse is not stored with one split
@@ -369,6 +413,7 @@ def mla_decode_triton(
         BLOCK_C=triton.next_power_of_2(latent_dim), BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         BLOCK_H=launch.block_h, BLOCK_N=launch.block_n,
         NUM_SPLITS=splits, STORE_LSE=splits > 1, IEEE_DOT=q_lat.dtype == torch.float32,
+        TRANSPOSED_K=launch.transposed_k,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if splits > 1:

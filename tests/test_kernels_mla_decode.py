@@ -1,3 +1,4 @@
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -124,9 +125,13 @@ def test_fp8_cache_reference_matches_naive():
 
 def test_launch_heuristic_depends_on_shapes_only():
     assert choose_launch(batch=1, heads=8, max_context=4096).num_splits > 1  # batch 1: split the context
-    assert choose_launch(batch=512, heads=8, max_context=4096).num_splits == 1  # enough programs already
+    assert choose_launch(batch=1024, heads=8, max_context=4096).num_splits == 1  # enough programs already
     assert choose_launch(batch=1, heads=8, max_context=16).num_splits == 1  # too short to split
     assert choose_launch(batch=4, heads=8, max_context=1 << 20).num_splits <= 64
+    # more heads write more partial outputs per split, so each split must cover more tokens
+    assert choose_launch(1, 64, 4096).num_splits < choose_launch(1, 8, 4096).num_splits
+    assert choose_launch(1, 8, 4096, cache_dtype=torch.float8_e4m3fn).transposed_k
+    assert not choose_launch(1, 8, 4096, cache_dtype=torch.bfloat16).transposed_k
 
 
 def test_bad_inputs_name_the_tensor():
@@ -185,24 +190,39 @@ def triton_or_skip():
     return mla_decode_triton
 
 
+# (case, num_splits or None for the shape heuristic, K loaded transposed as for FP8 caches)
 TRITON_CASES = [
-    ("small_bs16", None),
-    ("small_bs16", 3),
-    ("bs64_ragged", 2),
-    ("batch1", 4),
-    ("batch33_with_empty", 2),
+    ("small_bs16", None, False),
+    ("small_bs16", 3, False),
+    ("small_bs16", 1, True),
+    ("bs64_ragged", 2, False),
+    ("bs64_ragged", 3, True),
+    ("batch1", 4, False),
+    ("batch33_with_empty", 2, False),
+    ("batch33_with_empty", 1, True),
 ]
 
 
+def launch_for(case: Case, dtype, num_splits, transposed_k: bool):
+    heuristic = choose_launch(
+        case.batch, case.heads, 4 * case.block_size, query_dtype=dtype, num_splits=num_splits
+    )
+    return dataclasses.replace(heuristic, transposed_k=transposed_k)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("name,num_splits", TRITON_CASES)
-def test_triton_matches_reference(name, num_splits, dtype):
+@pytest.mark.parametrize("name,num_splits,transposed_k", TRITON_CASES)
+def test_triton_matches_reference(name, num_splits, dtype, transposed_k):
     mla_decode_triton = triton_or_skip()
     case = CASES[name]
     q_lat, q_pe, cache, tables, lens = make_case(case, seed=len(name), dtype=dtype)
     scale = 1.0 / case.latent_dim**0.5
     want = mla_decode_torch(q_lat, q_pe, cache, tables, lens, scale)
-    got = mla_decode_triton(q_lat, q_pe, cache, tables, lens, scale, num_splits=num_splits)
+    if num_splits is None:  # the shape heuristic itself
+        got = mla_decode_triton(q_lat, q_pe, cache, tables, lens, scale)
+    else:
+        launch = launch_for(case, dtype, num_splits, transposed_k)
+        got = mla_decode_triton(q_lat, q_pe, cache, tables, lens, scale, launch=launch)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     tol = 1e-5 if dtype == torch.float32 else 2e-3  # fp16: probabilities enter the P.V dot in fp16
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
@@ -225,5 +245,81 @@ def test_triton_fp8_values_with_kv_scale():
     kv_scale = 0.037
     q_lat, q_pe, fp8_cache, container, tables, lens = fp8_case(SMALL, seed=13, kv_scale=kv_scale)
     want = mla_decode_torch(q_lat, q_pe, fp8_cache, tables, lens, 0.2, kv_scale)
-    got = mla_decode_triton(q_lat, q_pe, container, tables, lens, 0.2, kv_scale, num_splits=2)
+    # the launch an FP8 cache gets on a GPU (K and V loaded separately), run on the fp32 container
+    launch = choose_launch(SMALL.batch, SMALL.heads, 64, torch.float8_e4m3fn, torch.bfloat16, num_splits=2)
+    assert launch.transposed_k
+    got = mla_decode_triton(q_lat, q_pe, container, tables, lens, 0.2, kv_scale, launch=launch)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+SM90_COMPILE_SCRIPT = r"""
+import json, os, re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kserve.kernels.mla_decode import _kernels, choose_launch
+
+TYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+ptxas = [os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas") if os.path.exists(os.path.join(bin_dir, n))]
+if not ptxas:
+    print("SKIP no ptxas"); sys.exit(0)
+split_kernel, merge_kernel = _kernels()
+names = list(split_kernel.arg_names)
+for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    launch = choose_launch(1, 8, 4096, cache_dtype, torch.bfloat16, num_splits=4)
+    pointers = {"q_lat_ptr": "bf16", "q_pe_ptr": "bf16", "cache_ptr": TYPES[cache_dtype], "out_ptr": "fp32",
+                "lse_ptr": "fp32", "block_tables_ptr": "i32", "context_lens_ptr": "i32"}
+    constants = dict(LATENT_DIM=512, ROPE_DIM=64, PAGE_SIZE=16, BLOCK_C=512, BLOCK_R=64, BLOCK_H=launch.block_h,
+                     BLOCK_N=launch.block_n, NUM_SPLITS=4, STORE_LSE=True, IEEE_DOT=False,
+                     TRANSPOSED_K=launch.transposed_k)
+    signature = {n: "*" + pointers[n] if n in pointers else "constexpr" if n in constants
+                 else "fp32" if n in ("qk_scale_log2", "value_scale") else "i32" for n in names}
+    # the alignment Triton's JIT infers at K2 widths (16-byte pointers, strides that are multiples of 16)
+    aligned = [n for n in names if n.endswith("_ptr") or (n.startswith("stride_") and "lse" not in n and "table" not in n)]
+    src = ASTSource(fn=split_kernel, signature=signature,
+                    constexprs={(names.index(k),): v for k, v in constants.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        open(path, "w").write(kernel.asm["ptx"])
+        res = subprocess.run([ptxas[0], "-v", "--gpu-name=sm_90a", path, "-o", path + ".cubin"],
+                             capture_output=True, text=True)
+    if res.returncode != 0:
+        print("SKIP ptxas failed: " + res.stderr[-300:]); sys.exit(0)
+    print(json.dumps({"cache": str(cache_dtype), "regs": int(re.search(r"Used (\d+) registers", res.stderr).group(1)),
+                      "spill": int(re.search(r"(\d+) bytes spill stores", res.stderr).group(1)),
+                      "shared": kernel.metadata.shared, "async_copy": "cp.async" in kernel.asm["ptx"]}))
+"""
+
+
+@pytest.mark.slow
+def test_split_kernel_compiles_for_sm90_without_spills():
+    """No GPU here: compile the production launches (bf16 query; bf16 or FP8 cache) for H200's sm90
+    ahead of time and check the resource budget the launch heuristic assumes."""
+    import subprocess
+    import sys
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError:
+        pytest.skip("this triton has no ahead-of-time compile API")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", SM90_COMPILE_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    if res.stdout.startswith("SKIP"):
+        pytest.skip(res.stdout.strip())
+    import json
+
+    reports = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 2, res.stdout
+    for report in reports:
+        assert report["spill"] == 0, report
+        assert report["async_copy"], report  # the latent tiles stream through cp.async
+        assert report["regs"] <= 128, report  # two 8-warp CTAs fit an SM's 64K registers
+        assert report["shared"] <= 113 * 1024, report  # and two fit its 227 KiB of shared memory
