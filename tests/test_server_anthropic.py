@@ -6,7 +6,9 @@ grammar-constrained exactly like chat's required/named), and compare prompts the
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -22,6 +24,7 @@ from kserve.config import EngineConfig  # noqa: E402
 from kserve.server import anthropic_messages  # noqa: E402
 from kserve.server.anthropic_messages import chat_messages, check_api_key  # noqa: E402
 from kserve.server.anthropic_protocol import MessagesRequest  # noqa: E402
+from kserve.server.app import BodyLimitMiddleware  # noqa: E402
 from kserve.server.chat_turn import FinishedTurn, TurnDelta, TurnUsage  # noqa: E402
 from kserve.server.context import ServerSettings  # noqa: E402
 from kserve.server.errors import APIError  # noqa: E402
@@ -120,6 +123,7 @@ def test_forced_tool_use_streamed_and_not(client, ctx):
         assert msg.stop_reason == "tool_use"
         calls = [b for b in msg.content if b.type == "tool_use"]
         assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].input["city"] in ("Paris", "Rome")
+        assert re.fullmatch(r"toolu_[A-Za-z0-9_-]+", calls[0].id)  # ids Anthropic itself would accept
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in plain.content]
 
 
@@ -317,3 +321,26 @@ def test_client_disconnect_mid_stream_aborts_the_generation(server, ctx):
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.generation_tokens_total < during.generation_tokens_total + 1000  # stopped well before 4000
+
+
+@pytest.mark.parametrize("path, anthropic_shape", [("/v1/messages", True), ("/v1/chat/completions", False)])
+def test_oversized_body_is_413_in_the_endpoints_own_shape(path, anthropic_shape):
+    sent: list[dict] = []
+
+    async def never_called(scope, receive, send):
+        raise AssertionError("the app must not see an oversized body")
+
+    async def receive():
+        return {"type": "http.request", "body": b"x" * 100, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-length", b"100")]}
+    asyncio.run(BodyLimitMiddleware(never_called, max_bytes=10)(scope, receive, send))
+    assert sent[0]["status"] == 413
+    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    if anthropic_shape:
+        assert body["type"] == "error" and body["error"]["type"] == "request_too_large"
+    else:
+        assert body["error"]["code"] == "request_too_large"

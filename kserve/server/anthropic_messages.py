@@ -20,6 +20,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from types import MappingProxyType
@@ -74,6 +75,7 @@ _SERVER_BLOCKS = ("server_tool_use", "web_search_tool_result", "web_fetch_tool_r
                   "code_execution_tool_result", "bash_code_execution_tool_result",
                   "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result")
 _STRUCTURED_OUTPUT_NAME = "output"
+_NOT_ID_CHARS = re.compile(r"[^A-Za-z0-9_-]")
 
 
 # ----------------------------------------------------------------------------- errors and auth
@@ -371,6 +373,12 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def tool_use_id(call_id: str) -> str:
+    """K2's call id (`functions.NAME:IDX`) in the characters Anthropic allows in ids (history ids are renumbered
+    when rendered, so the spelling only has to be stable and Anthropic-valid)."""
+    return "toolu_" + _NOT_ID_CHARS.sub("_", call_id)
+
+
 def _usage(turn: FinishedTurn) -> dict[str, int]:
     cached = min(turn.usage.cached_tokens, turn.usage.prompt_tokens)
     return {"input_tokens": turn.usage.prompt_tokens - cached, "output_tokens": turn.usage.completion_tokens,
@@ -384,7 +392,7 @@ def message_body(request_id: str, model: str, turn: FinishedTurn) -> dict[str, A
     if turn.content:
         content.append({"type": "text", "text": turn.content})
     for call in turn.calls:
-        content.append({"type": "tool_use", "id": call.id, "name": call.name,
+        content.append({"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
                         "input": _tool_input(turn.arguments(call))})
     return {"id": request_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": _stop_reason(turn), "stop_sequence": turn.stop_sequence, "usage": _usage(turn)}
@@ -429,8 +437,8 @@ class _ContentBlocks:
             events.append(self._delta({"type": "text_delta", "text": delta.content}))
         for call in delta.calls:
             if call.id is not None:
-                events += self._open("tool_use", {"type": "tool_use", "id": call.id, "name": call.function.name,
-                                                  "input": {}})
+                events += self._open("tool_use", {"type": "tool_use", "id": tool_use_id(call.id),
+                                                  "name": call.function.name, "input": {}})
                 self.call_index = call.index
             arguments = call.function.arguments
             if arguments and self.kind == "tool_use" and call.index == self.call_index:
