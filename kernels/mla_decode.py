@@ -384,7 +384,7 @@ def mla_decode_triton(
         return out.zero_()
     q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
-    block_tables = block_tables.contiguous()
+    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
     if q_lat.is_cuda:
         index = q_lat.device.index if q_lat.device.index is not None else torch.cuda.current_device()

@@ -230,6 +230,34 @@ def test_triton_matches_reference(name, num_splits, dtype, transposed_k):
     assert (got[empty] == 0).all()
 
 
+def strided_views(q_lat, q_pe, tables):
+    """q_lat and q_pe as slices of one [B, H, C + R] query, the tables as a slice of a wider buffer."""
+    query = torch.cat([q_lat, q_pe], dim=-1)
+    wide = torch.full((tables.shape[0] + 2, tables.shape[1] + 5), -1, dtype=tables.dtype)
+    wide[1 : 1 + tables.shape[0], 2 : 2 + tables.shape[1]] = tables
+    latent_dim = q_lat.shape[-1]
+    views = query[..., :latent_dim], query[..., latent_dim:], wide[1 : 1 + tables.shape[0], 2:]
+    assert not any(v.is_contiguous() for v in views)
+    return views
+
+
+def test_reference_accepts_strided_views():
+    q_lat, q_pe, cache, tables, lens = make_case(SMALL, seed=21)
+    want = naive_decode(q_lat, q_pe, cache, tables, lens, 0.3)
+    q_lat_view, q_pe_view, tables_view = strided_views(q_lat, q_pe, tables)
+    got = mla_decode(q_lat_view, q_pe_view, cache, tables_view, lens, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_accepts_strided_views():
+    mla_decode_triton = triton_or_skip()
+    q_lat, q_pe, cache, tables, lens = make_case(SMALL, seed=22)
+    want = mla_decode_torch(q_lat, q_pe, cache, tables, lens, 0.3)
+    q_lat_view, q_pe_view, tables_view = strided_views(q_lat, q_pe, tables)
+    got = mla_decode_triton(q_lat_view, q_pe_view, cache, tables_view, lens, 0.3, num_splits=2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_triton_k2_width():
     mla_decode_triton = triton_or_skip()
     case = CASES["k2_width"]
