@@ -88,10 +88,16 @@ class LLMEngine:
 
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        runner_options = {
+            "kv_cache_dtype": config.kv_cache_dtype,
+            "max_num_seqs": config.max_num_seqs,
+            "max_model_len": self.max_model_len,
+            "enforce_eager": config.enforce_eager,
+        }
         if tp_workers is not None:
-            tp_workers.init_cache(num_blocks, config.block_size)
+            tp_workers.init_cache(num_blocks, config.block_size, runner_options)
         self.runner = ModelRunner(
-            model, model_config, num_blocks, config.block_size, self.device, dtype, peers=tp_workers
+            model, model_config, num_blocks, config.block_size, self.device, dtype, peers=tp_workers, **runner_options
         )
         self.sampler = Sampler(eos, self.device)
         self._seed_rng = random.Random(config.seed)  # seeds for requests that bring none

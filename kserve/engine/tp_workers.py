@@ -48,8 +48,8 @@ def _worker_main(
     try:
         parallel = ParallelState(tp_rank=rank, tp_size=world, group=dist.group.WORLD)
         model = load_model(model_dir, device=dev, dtype=dtype, parallel=parallel)
-        num_blocks, block_size = conn.recv()
-        runner = ModelRunner(model, model.config, num_blocks, block_size, dev, dtype)
+        num_blocks, block_size, runner_options = conn.recv()
+        runner = ModelRunner(model, model.config, num_blocks, block_size, dev, dtype, **runner_options)
         conn.send("ready")
         while True:
             inputs = conn.recv()
@@ -92,9 +92,10 @@ class TensorParallelWorkers:
         )
         self.parallel = ParallelState(tp_rank=0, tp_size=world, group=dist.group.WORLD)
 
-    def init_cache(self, num_blocks: int, block_size: int) -> None:
+    def init_cache(self, num_blocks: int, block_size: int, runner_options: dict[str, Any] | None = None) -> None:
+        """Each worker allocates its cache; `runner_options` are ModelRunner keyword arguments (kv dtype ...)."""
         for conn in self._conns:
-            conn.send((num_blocks, block_size))
+            conn.send((num_blocks, block_size, dict(runner_options or {})))
         for conn in self._conns:
             if conn.recv() != "ready":
                 raise RuntimeError("a tensor-parallel worker failed to start")
