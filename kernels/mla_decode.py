@@ -122,6 +122,12 @@ def check_decode_inputs(
         raise ValueError(f"kv_scale must be a positive finite float, got {kv_scale!r}")
 
 
+def _select_blocks(kv_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    if kv_cache.dtype in _FP8_DTYPES:  # same bytes through uint8, whatever float8 kernels a device has
+        return kv_cache.view(torch.uint8).index_select(0, ids).view(kv_cache.dtype)
+    return kv_cache.index_select(0, ids)
+
+
 def mla_decode_torch(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -155,7 +161,7 @@ def mla_decode_torch(
         count = min(blocks_per_chunk, max_blocks - first)
         # whole blocks at a time: one index_select of contiguous block_size x D tiles
         ids = tables[:, first : first + count].reshape(-1)
-        rows = kv_cache.index_select(0, ids).view(batch, count * block_size, width).float()  # [B, N, D]
+        rows = _select_blocks(kv_cache, ids).view(batch, count * block_size, width).float()  # [B, N, D]
         scores = torch.bmm(query, rows.transpose(1, 2)).mul_(qk_scale)  # [B, H, N]
         invalid = (first * block_size + offsets[: count * block_size])[None, None, :] >= lens  # [B, 1, N]
         scores.masked_fill_(invalid, float("-inf"))
