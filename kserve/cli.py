@@ -42,6 +42,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="reject request bodies larger than this with 413")
     p.add_argument("--max-concurrent-requests", type=int, default=None,
                    help="answer 429 beyond this many requests in flight (default: no limit)")
+    p.add_argument("--exit-on-engine-death", action=argparse.BooleanOptionalAction, default=True,
+                   help="exit non-zero once the engine is dead (fatal error, or repeated failed steps), so a "
+                        "supervisor restarts it; with --no-exit-on-engine-death it stays up answering 503")
     p.add_argument("--responses-store-size", type=int, default=1000,
                    help="finished /v1/responses kept in memory for previous_response_id and GET (0: off)")
 

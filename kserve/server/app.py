@@ -47,6 +47,7 @@ from kserve.server.responses_protocol import ResponsesRequest
 from kserve.server.responses_store import ResponseStore
 from kserve.server.serving_chat import prepare_chat, run_chat, stream_chat
 from kserve.server.serving_completion import prepare_completion, run_completion, stream_completion
+from kserve.server.request_log import RequestIdMiddleware, bind_request_id
 from kserve.server.sse import openai_json
 from kserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
@@ -54,6 +55,8 @@ logger = logging.getLogger("kserve.server")
 
 EngineLoader = Callable[[ServerSettings, ServerMetrics], Awaitable[ServingContext]]
 LoadFailureHandler = Callable[[str], None]
+EngineDeathHandler = Callable[[str], None]
+ENGINE_WATCH_INTERVAL_S = 0.2  # how often the server looks at the engine's health (a 503 is immediate)
 
 
 class StartupError(RuntimeError):
@@ -89,11 +92,13 @@ class ServerState:
     """Readiness and the serving context of one app instance."""
 
     def __init__(self, settings: ServerSettings, loader: EngineLoader,
-                 on_load_failure: LoadFailureHandler | None = None) -> None:
+                 on_load_failure: LoadFailureHandler | None = None,
+                 on_engine_death: EngineDeathHandler | None = None) -> None:
         self.settings = settings
         self.metrics = ServerMetrics()
         self.loader = loader
         self.on_load_failure = on_load_failure
+        self.on_engine_death = on_engine_death
         self.context: ServingContext | None = None
         self.load_error: str | None = None
         self.loaded_at: float | None = None
@@ -114,15 +119,32 @@ class ServerState:
         try:
             self.context = await self.loader(self.settings, self.metrics)
         except Exception as exc:
+            bind_request_id("-")  # the startup self-check's request is over
             self.load_error = str(exc) if isinstance(exc, StartupError) else f"{type(exc).__name__}: {exc}"
             logger.exception("model failed to load: %s", self.load_error)
             if self.on_load_failure is not None:
                 self.on_load_failure(self.load_error)  # `kserve serve` stops; otherwise /health reports it
             return
+        bind_request_id("-")  # the startup self-check's request is over
         self.loaded_at = time.time()
         logger.info("model %r ready in %.1fs (max_model_len %d); OpenAI API at http://%s:%d/v1",
                     self.context.model_name, time.monotonic() - started, self.context.max_model_len,
                     self.settings.host, self.settings.port)
+        await self.watch_engine()
+
+    async def watch_engine(self) -> None:
+        """Wait for the engine to die; then log it once and call `on_engine_death` (`kserve serve` exits
+        non-zero under --exit-on-engine-death). /health and requests answer 503 from the moment it dies."""
+        ctx = self.context
+        assert ctx is not None
+        while True:
+            failure = ctx.engine_failure()
+            if failure is not None:
+                break
+            await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+        logger.critical("the engine is dead; /health and every request now answer 503: %s", failure)
+        if self.on_engine_death is not None:
+            self.on_engine_death(failure)
 
     async def shutdown(self) -> None:
         if self.context is not None:
@@ -199,10 +221,29 @@ class RequestCountMiddleware:
         await self.app(scope, receive, counting_send)
 
 
+class JsonBodyMiddleware:
+    """POST bodies are JSON whatever their Content-Type says: `curl -d '{...}'` sends
+    application/x-www-form-urlencoded, and OpenAI's and vLLM's servers read such a body as JSON too."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            headers = scope.get("headers") or []
+            content_type = dict(headers).get(b"content-type", b"").lower()
+            if b"json" not in content_type:
+                headers = [(k, v) for k, v in headers if k.lower() != b"content-type"]
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
 def build_app(settings: ServerSettings, loader: EngineLoader | None = None,
-              on_load_failure: LoadFailureHandler | None = None) -> FastAPI:
-    """The app; `on_load_failure(message)` is called if loading fails (without it, the app answers 503)."""
-    state = ServerState(settings, loader or load_serving_context, on_load_failure)
+              on_load_failure: LoadFailureHandler | None = None,
+              on_engine_death: EngineDeathHandler | None = None) -> FastAPI:
+    """The app; `on_load_failure(message)` is called if loading fails (without it, the app answers 503),
+    `on_engine_death(message)` once the engine dies (without it, the app keeps answering 503)."""
+    state = ServerState(settings, loader or load_serving_context, on_load_failure, on_engine_death)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -219,8 +260,10 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None,
                   lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestCountMiddleware, metrics=state.metrics)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every line of a request, 413s included, has its id
 
     async def require_auth(request: Request) -> None:
         key = settings.api_key

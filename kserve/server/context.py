@@ -15,6 +15,7 @@ from kserve.config import EngineConfig
 from kserve.engine.errors import PromptRejected
 from kserve.server.errors import APIError, bad_request
 from kserve.server.metrics import ServerMetrics
+from kserve.server.request_log import bind_request_id
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 
@@ -37,6 +38,7 @@ class ServerSettings:
     enable_reasoning: bool = False
     legacy_prompt_encoding: bool = False
     log_level: str = "info"
+    exit_on_engine_death: bool = True  # `kserve serve` exits non-zero once the engine is dead
     responses_store_size: int = 1000  # finished /v1/responses kept for previous_response_id and GET; 0 = off
 
 
@@ -108,7 +110,10 @@ def engine_refused(exc: PromptRejected, param: str | None = None) -> APIError:
 
 
 def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """A fresh response id, bound for logging: every later log line of this request carries it."""
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    bind_request_id(request_id)
+    return request_id
 
 
 class DisconnectWatch:

@@ -61,6 +61,26 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return APIError(400, message, param=param, code=code)
 
 
+def engine_error(exc: BaseException) -> APIError | None:
+    """The client-facing error for an engine failure: 503 `engine_dead` once the engine is dead (the
+    server will not recover; /health says so); None for anything else."""
+    from kserve.engine.errors import EngineDeadError
+
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine has stopped and cannot serve: {exc}", code="engine_dead")
+    return None
+
+
+def stream_failure(exc: BaseException) -> APIError:
+    """What a stream whose status line is already sent reports in-band for `exc`."""
+    if isinstance(exc, APIError):
+        return exc
+    known = engine_error(exc)
+    if known is not None:
+        return known
+    return APIError(500, f"internal error while streaming: {type(exc).__name__}", code="internal_error")
+
+
 # pydantic puts union branch tags in error locations ("str", "list[ContentPart]", "NamedToolChoice",
 # "function-after[...]"); field names here are lower_snake_case, so anything else is a tag.
 _FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
@@ -143,5 +163,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        known = engine_error(exc)
+        if known is not None:
+            logger.error("%s %s: %s", request.method, request.url.path, known.message)
+            return known.response()
         logger.exception("internal error handling %s %s", request.method, request.url.path)
         return APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error").response()

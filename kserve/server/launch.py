@@ -15,8 +15,9 @@ from typing import Any
 import uvicorn
 
 from kserve.config import EngineConfig
-from kserve.server.app import EngineLoader, LoadFailureHandler, build_app
+from kserve.server.app import EngineDeathHandler, EngineLoader, LoadFailureHandler, build_app
 from kserve.server.context import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
+from kserve.server.request_log import install_request_id_logging
 
 logger = logging.getLogger("kserve.server")
 
@@ -52,24 +53,29 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         enable_reasoning=args.enable_reasoning,
         legacy_prompt_encoding=args.legacy_prompt_encoding,
         log_level=args.log_level,
+        exit_on_engine_death=getattr(args, "exit_on_engine_death", True),
         responses_store_size=getattr(args, "responses_store_size", 1000),
     )
 
 
 def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kserve").setLevel(level.upper())
+    install_request_id_logging(level)
 
 
 def _uvicorn_config(settings: ServerSettings, loader: EngineLoader | None,
-                    on_load_failure: LoadFailureHandler | None = None) -> uvicorn.Config:
-    return uvicorn.Config(build_app(settings, loader, on_load_failure), host=settings.host, port=settings.port,
-                          log_level=settings.log_level.lower(), timeout_graceful_shutdown=5,
-                          access_log=settings.log_level.lower() == "debug")
+                    on_load_failure: LoadFailureHandler | None = None,
+                    on_engine_death: EngineDeathHandler | None = None) -> uvicorn.Config:
+    return uvicorn.Config(build_app(settings, loader, on_load_failure, on_engine_death), host=settings.host,
+                          port=settings.port, log_level=settings.log_level.lower(), timeout_graceful_shutdown=5,
+                          access_log=settings.log_level.lower() == "debug", log_config=None)
 
 
 def run_server(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+    return serve(settings_from_args(args))
+
+
+def serve(settings: ServerSettings) -> int:
+    """`kserve serve` with these settings, in the foreground; the process's exit status."""
     _configure_logging(settings.log_level)
     for label, path in (("model directory", settings.engine.model), ("--chat-template", settings.chat_template)):
         if path is not None and not Path(path).exists():
@@ -84,7 +90,13 @@ def run_server(args: argparse.Namespace) -> int:
         failures.append(message)
         server.should_exit = True
 
-    server = uvicorn.Server(_uvicorn_config(settings, None, stop_on_load_failure))
+    def stop_on_engine_death(message: str) -> None:
+        # In-flight requests already got their 503; the graceful shutdown lets those streams close.
+        failures.append(f"the engine is dead: {message}")
+        server.should_exit = True
+
+    on_death = stop_on_engine_death if settings.exit_on_engine_death else None
+    server = uvicorn.Server(_uvicorn_config(settings, None, stop_on_load_failure, on_death))
     server.run()
     if failures:
         logger.error("kserve serve is stopping: %s", failures[0])

@@ -36,6 +36,16 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, floa
     return out
 
 
+# Integers the engine turns into tensors must fit their int32/int64 slots; the door says so, not the sampler.
+MAX_TOP_K = 2**31 - 1
+
+
+def check_ranges(req: SamplingFields) -> None:
+    """400 for numbers the protocol types admit but the engine cannot hold (each named)."""
+    if req.top_k is not None and req.top_k > MAX_TOP_K:
+        raise bad_request(f"'top_k' must be -1 (off) or at most {MAX_TOP_K}, got {req.top_k}", "top_k")
+
+
 def build_sampling_params(
     req: SamplingFields,
     *,
@@ -46,6 +56,7 @@ def build_sampling_params(
     vocab_size: int,
     guided: Any = None,
 ) -> SamplingParams:
+    check_ranges(req)
     if req.min_tokens > max_tokens:
         raise bad_request(f"'min_tokens' ({req.min_tokens}) exceeds the generation budget ({max_tokens})",
                           "min_tokens")

@@ -22,7 +22,7 @@ from kserve.chat import ToolCall as ParsedToolCall
 from kserve.engine.errors import PromptRejected
 from kserve.server.chat_request import render_chat
 from kserve.server.context import DisconnectWatch, ServingContext, engine_refused, new_request_id
-from kserve.server.errors import APIError
+from kserve.server.errors import APIError, stream_failure
 from kserve.server.guided import compile_grammar, grammar_spec
 from kserve.server.logprobs import chat_logprobs
 from kserve.server.outcome import client_gone, finish_reason, unfinished, usage_info
@@ -292,7 +292,7 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
                 if prep.req.logprobs:
                     new = (output.logprobs or [])[state.tokens_sent:]
                     logprobs = ChoiceLogprobs(content=chat_logprobs(ctx.tokenizer, new, prep.top_logprobs))
-                state.tokens_sent = len(output.token_ids)
+                    state.tokens_sent = len(output.logprobs or [])  # only tokens whose text is shown
                 if not _delta_is_empty(delta) or (logprobs is not None and logprobs.content):
                     yield chunk(ChatChunkChoice(index=state.index, delta=delta, logprobs=logprobs))
                 if finished:
@@ -309,8 +309,12 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
         yield sse_error(exc.body())
         return
     except Exception as exc:
-        logger.exception("request %s: error while streaming", rid)
-        yield sse_error(APIError(500, f"internal error while streaming: {type(exc).__name__}").body())
+        error = stream_failure(exc)
+        if error.code == "internal_error":
+            logger.exception("request %s: error while streaming", rid)
+        else:
+            logger.error("request %s: %s", rid, error.message)
+        yield sse_error(error.body())
         return
     finally:
         if final is None or not final.finished:

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 from kserve.engine.errors import PromptRejected
 from kserve.server.context import DisconnectWatch, ServingContext, engine_refused, new_request_id
-from kserve.server.errors import APIError, bad_request
+from kserve.server.errors import APIError, bad_request, stream_failure
 from kserve.server.logprobs import completion_logprobs
 from kserve.server.outcome import client_gone, finish_reason, unfinished, usage_info
 from kserve.server.protocol import (
@@ -104,7 +104,8 @@ def prepare_completion(ctx: ServingContext, req: CompletionRequest, raw: dict[st
 
 def _usage(prep: PreparedCompletion, finals: list[Any]) -> UsageInfo:
     done = [f for f in finals if f is not None]
-    return usage_info(sum(len(p.prompt_ids) for p in prep.prompts), [o for f in done for o in f.outputs])
+    return usage_info(sum(len(p.prompt_ids) for p in prep.prompts), [o for f in done for o in f.outputs],
+                      sum(f.num_cached_tokens or 0 for f in done))
 
 
 async def _merged(ctx: ServingContext, prep: PreparedCompletion) -> AsyncIterator[tuple[int, Any]]:
@@ -206,7 +207,7 @@ async def stream_completion(ctx: ServingContext, prep: PreparedCompletion) -> As
                     new = (output.logprobs or [])[tokens_sent.get(index, 0):]
                     logprobs = completion_logprobs(ctx.tokenizer, new, req.logprobs, offset)
                 text_sent[index] = len(output.text)
-                tokens_sent[index] = len(output.token_ids)
+                tokens_sent[index] = len(output.logprobs or [])  # only tokens whose text is shown
                 if new_text or (logprobs is not None and logprobs.tokens):
                     yield chunk(index, new_text, logprobs)
                 if output.finish_reason is not None:
@@ -218,8 +219,12 @@ async def stream_completion(ctx: ServingContext, prep: PreparedCompletion) -> As
         yield sse_error(exc.body())
         return
     except Exception as exc:
-        logger.exception("request %s: error while streaming", rid)
-        yield sse_error(APIError(500, f"internal error while streaming: {type(exc).__name__}").body())
+        error = stream_failure(exc)
+        if error.code == "internal_error":
+            logger.exception("request %s: error while streaming", rid)
+        else:
+            logger.error("request %s: %s", rid, error.message)
+        yield sse_error(error.body())
         return
     usage = _usage(prep, finals)
     ctx.metrics.count_tokens(usage.prompt_tokens, usage.completion_tokens)
