@@ -1,0 +1,213 @@
+"""Property-based fuzzing of /v1/chat/completions and /v1/completions bodies (hypothesis).
+
+Bodies mix well-formed fields with wrong types, out-of-range numbers (2**63, -1, NaN, Infinity), odd
+strings and unknown keys, streaming and not. Properties: no response is a 5xx (nor an in-band 5xx error on
+a stream), and every 4xx is OpenAI-shaped: `{"error": {"message", "type", "param", "code"}}` with a
+non-empty message. Generation stays short (max_tokens is either small or invalid) so a run is bounded.
+
+Without --base-url it starts `kserve serve` (embedded tiny model, user defaults) on 127.0.0.1 and stops it.
+
+    python benchmarks/fuzz_harness.py --examples 600 --out-json fuzz.json
+    python benchmarks/fuzz_harness.py --examples 40            # CI size
+
+Prints a JSON report (statuses, failures with the body that caused them); exits 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness_server import ServerProcess  # noqa: E402
+
+SPECIAL_NUMBERS = [0, -1, 1, 2**31, 2**63, -(2**63) - 1, 10**30, 0.5, -0.5, 1e308, float("nan"), float("inf"),
+                   float("-inf"), 3, 20, 21, 100]
+junk = st.recursive(
+    st.none() | st.booleans() | st.sampled_from(SPECIAL_NUMBERS) | st.integers() | st.floats()
+    | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+small_int = st.integers(min_value=1, max_value=6)
+unit = st.floats(min_value=0, max_value=1, allow_nan=False)
+
+
+
+def noisy(good: st.SearchStrategy) -> st.SearchStrategy:
+    """Mostly a plausible value, sometimes anything at all."""
+    return st.one_of(good, good, good, junk)
+
+
+def clean(good: st.SearchStrategy) -> st.SearchStrategy:
+    return good
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": SCHEMA}}
+# max_tokens is small, or invalid (never a huge valid budget: the run must stay short)
+max_tokens = st.one_of(small_int, small_int, small_int, st.sampled_from([0, -5, "8", 2.5, None, [1]]))
+model = st.sampled_from(["MODEL"] * 9 + ["gpt-x"])
+
+
+def sampling(field: Any) -> dict[str, st.SearchStrategy]:
+    return {
+        "temperature": field(st.floats(min_value=0, max_value=2)), "top_p": field(unit),
+        "top_k": field(st.integers(-1, 50)), "min_p": field(unit), "n": field(st.integers(1, 3)),
+        "seed": field(st.integers(-(2**63), 2**63 - 1)), "presence_penalty": field(st.floats(-2, 2)),
+        "frequency_penalty": field(st.floats(-2, 2)), "repetition_penalty": field(st.floats(0.5, 2)),
+        "min_tokens": field(st.integers(0, 4)),
+        "stop": field(st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3)),
+        "logit_bias": field(st.dictionaries(st.integers(0, 3000).map(str), st.floats(-100, 100), max_size=3)),
+        "ignore_eos": field(st.booleans()), "stream": st.booleans(), "user": field(st.text(max_size=5)),
+        "unknown_field": junk,
+    }
+
+
+def chat_bodies(field: Any) -> st.SearchStrategy:
+    message = st.fixed_dictionaries(
+        {"role": field(st.sampled_from(["user"] * 4 + ["system", "assistant", "developer", "tool", "robot"])),
+         "content": field(st.text(max_size=40) | st.just([{"type": "text", "text": "hi"}]))},
+        optional={"name": field(st.text(max_size=8)), "tool_call_id": field(st.text(max_size=8)),
+                  "tool_calls": field(st.just([{"id": "c1", "type": "function",
+                                                "function": {"name": "lookup", "arguments": '{"a": 1}'}}]))},
+    )
+    return st.fixed_dictionaries(
+        {"model": model, "max_tokens": max_tokens, "messages": field(st.lists(message, min_size=1, max_size=3))},
+        optional={**sampling(field), "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(0, 5)),
+                  "tools": field(st.just([TOOL])),
+                  "tool_choice": field(st.sampled_from(["auto", "none", "required",
+                                                        {"type": "function", "function": {"name": "lookup"}}])),
+                  "response_format": field(st.sampled_from([{"type": "json_object"}, {"type": "text"},
+                                                            {"type": "json_schema",
+                                                             "json_schema": {"name": "x", "schema": SCHEMA}}])),
+                  "parallel_tool_calls": field(st.booleans()), "max_completion_tokens": max_tokens,
+                  "stream_options": field(st.just({"include_usage": True}))},
+    )
+
+
+def completion_bodies(field: Any) -> st.SearchStrategy:
+    return st.fixed_dictionaries(
+        {"model": model, "max_tokens": max_tokens,
+         "prompt": field(st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 3000), min_size=1, max_size=5)
+                         | st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=3))},
+        optional={**sampling(field), "logprobs": field(st.integers(0, 5)), "echo": field(st.booleans()),
+                  "best_of": field(st.integers(1, 3)), "suffix": field(st.text(max_size=3)),
+                  "skip_special_tokens": field(st.booleans()),
+                  "stream_options": field(st.just({"include_usage": True}))},
+    )
+
+
+# Half the bodies are clean (every field plausible), half noisy (each field sometimes junk).
+bodies = st.one_of(
+    chat_bodies(clean).map(lambda b: ("/v1/chat/completions", b)),
+    chat_bodies(noisy).map(lambda b: ("/v1/chat/completions", b)),
+    completion_bodies(clean).map(lambda b: ("/v1/completions", b)),
+    completion_bodies(noisy).map(lambda b: ("/v1/completions", b)),
+)
+
+
+class Fuzzer:
+    def __init__(self, base_url: str, model: str, timeout: float) -> None:
+        self.base_url, self.model = base_url, model
+        self.client = httpx.Client(base_url=base_url, timeout=timeout)
+        self.statuses: Counter[str] = Counter()
+        self.failures: list[dict[str, Any]] = []
+
+    def check(self, path: str, body: dict[str, Any]) -> None:
+        if body.get("model") == "MODEL":
+            body["model"] = self.model
+        payload = json.dumps(body, allow_nan=True)  # NaN/Infinity as Python's json writes them
+        problem = None
+        try:
+            if body.get("stream") is True:
+                with self.client.stream("POST", path, content=payload,
+                                        headers={"Content-Type": "application/json"}) as resp:
+                    status = resp.status_code
+                    if status == 200:
+                        for line in resp.iter_lines():
+                            if line.startswith("data: {"):
+                                event = json.loads(line[6:])
+                                err = event.get("error")
+                                if err and err.get("type") in ("server_error", "service_unavailable"):
+                                    problem = f"in-band server error: {err}"
+                        text = ""
+                    else:
+                        text = resp.read().decode()
+            else:
+                resp = self.client.post(path, content=payload, headers={"Content-Type": "application/json"})
+                status, text = resp.status_code, resp.text
+        except httpx.HTTPError as exc:
+            status, problem = -1, f"transport error: {type(exc).__name__}: {exc}"
+            text = ""
+        self.statuses[f"{path} {status}"] += 1
+        if problem is None and status >= 500:
+            problem = f"status {status}: {text[:300]}"
+        if problem is None and 400 <= status < 500:
+            try:
+                error = json.loads(text)["error"]
+                ok = set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str) \
+                    and error["message"] and isinstance(error["type"], str)
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if not ok:
+                problem = f"4xx not OpenAI-shaped: {text[:300]}"
+        if problem is not None:  # recorded, not raised: the run goes on and reports every failure it meets
+            self.failures.append({"path": path, "body": payload[:2000], "problem": problem})
+
+
+def run(fuzzer: Fuzzer, examples: int, seed_value: int) -> None:
+    common = settings(max_examples=examples, deadline=None, database=None,
+                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+
+    @seed(seed_value)
+    @common
+    @given(bodies)
+    def prop(case: tuple[str, dict[str, Any]]) -> None:
+        fuzzer.check(*case)
+
+    prop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--base-url", default=None)
+    parser.add_argument("--out-json", default=None)
+    args = parser.parse_args(argv)
+    server = None if args.base_url else ServerProcess()
+    base = args.base_url or server.base_url
+    started = time.monotonic()
+    try:
+        if server is not None:
+            server.wait_ready()
+        model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
+        fuzzer = Fuzzer(base, model, args.timeout)
+        run(fuzzer, args.examples, args.seed)
+        health = httpx.get(base + "/health", timeout=10).status_code
+    finally:
+        if server is not None:
+            server.stop()
+    problems = fuzzer.failures + ([] if health == 200 else [{"problem": f"/health is {health} after fuzzing"}])
+    report = {"harness": "fuzz", "requests": sum(fuzzer.statuses.values()), "seconds": round(time.monotonic() - started),
+              "statuses": dict(sorted(fuzzer.statuses.items())), "failures": problems[:20], "ok": not problems}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out_json:
+        Path(args.out_json).write_text(text)
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
