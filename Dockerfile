@@ -22,7 +22,16 @@ COPY kernels ./kernels
 COPY configs ./configs
 RUN pip install --no-build-isolation ".[gpu]"
 
+# Serve as an unprivileged user; its home holds the cache (~/.cache/kserve).
+RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin kserve
+USER kserve
+ENV HOME=/home/kserve
+
 EXPOSE 8000
-# Mount the model at /model (config.json, *.safetensors, tiktoken.model, tokenizer_config.json).
+# /health is 503 while loading and once the engine is dead (kserve serve then also exits non-zero, so the
+# orchestrator restarts it); the start period covers loading a large checkpoint.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=1800s --retries=3 \
+    CMD ["python3", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status != 200)"]
+# Mount the model at /model (config.json, *.safetensors, tiktoken.model, tokenizer_config.json), readable by uid 10001.
 ENTRYPOINT ["kserve", "serve", "--host", "0.0.0.0", "--port", "8000"]
 CMD ["/model"]
