@@ -33,20 +33,22 @@ the sm90 resources ptxas reports for ahead-of-time builds (the slow test
   of that sequence's context. Heads beyond H are masked. Head tiles are the fastest grid axis, so
   with more heads (64 without TP) the tiles of one sequence run side by side and share its latent
   rows through L2. Larger head tiles (32, 64) need 167-255 registers a thread or spill.
-- Tiles: bf16/fp16 caches use BLOCK_N = 32 tokens, 8 warps, 3 stages: 98 registers a thread, no
-  spills, 55 KiB shared memory, latent tiles streamed with cp.async; so two CTAs (16 warps) stay
-  resident per SM, each with a 36 KiB [32, 576] tile in flight, above the ~30 KiB per SM that H200's
-  4.8 TB/s needs at ~1 us latency. With 4 warps the same tile needs 182 registers (one CTA per SM);
-  BLOCK_N = 64 needs 128 (8 warps) to 186 (4 warps) registers and 93 KiB for no more bytes in flight
-  per SM. The tile is loaded once in its natural (coalesced) layout and
-  used transposed for Q.K and as is for P.V: c_kv is both key and value.
+- Tiles: bf16/fp16 caches use BLOCK_N = 32 tokens, 8 warps, 3 stages: 128 registers a thread, no
+  spills, 91 KiB shared memory, latent tiles streamed with cp.async into two buffers; so two CTAs
+  (16 warps) stay resident per SM, each with up to two 36 KiB [32, 576] tiles in flight, above the
+  ~30 KiB per SM that H200's 4.8 TB/s needs at ~1 us latency. With 4 warps the same tile needs 182+
+  registers (one CTA per SM); BLOCK_N = 64 needs 128 (8 warps) to 186 (4 warps) registers and about
+  twice the shared memory for no more bytes in flight per SM. The tile is loaded once in its
+  natural (coalesced) layout and used transposed for Q.K and as is for P.V: c_kv is both key and value.
+- The block ids of a tile are loaded one iteration ahead. Loaded in the same iteration as the
+  latents they address, they limit Triton's pipeliner to a single latent buffer whatever the
+  stage count (the next tile's load then waits for this tile's dots); carried across iterations,
+  they let it double-buffer.
 - FP8 caches (`transposed_k`): loading one fp8 tile and converting it for both dots keeps the
   latent load out of the async-copy pipeline (172 registers). Loading K as [C, N] and V as [N, C]
-  separately pipelines both (128 registers, 53 KiB); the second read of the same rows is served by
-  L1/L2, so HBM traffic is unchanged (half of bf16's).
+  separately pipelines both (128 registers, 87 KiB, two buffers); the second read of the same rows
+  is served by L1/L2, so HBM traffic is unchanged (half of bf16's).
 - fp32 queries (CPU-parity runs on a GPU) use BLOCK_N = 16 and IEEE fp32 dots (no TF32).
-- The block-table lookup inside the loop limits Triton's pipeliner to one buffer per tile (more
-  stages do not add buffers), which is why occupancy, not stages, hides the latency.
 - Each sequence's own context is cut into `num_splits` pieces (rounded up to BLOCK_N tokens) on the
   device, so short and long sequences both spread over all splits. `num_splits` comes from shapes
   only (batch, heads, block-table width), so it is fixed for a CUDA graph: enough programs for two
@@ -284,13 +286,18 @@ def _kernels():
         row_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+        # The block ids of each tile are loaded one iteration ahead: a data load whose address comes
+        # from a load in the same iteration gets a single buffer from Triton's pipeliner; a
+        # loop-carried address lets it multi-buffer the latent tiles (2 buffers at 3 stages).
+        table_row = block_tables_ptr + seq * stride_table_b
+        offs_next = start + tl.arange(0, BLOCK_N)
+        next_blocks = tl.load(table_row + offs_next // PAGE_SIZE, mask=offs_next < end, other=0)
         for tile in range(start, end, BLOCK_N):
             offs_n = tile + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            block = tl.load(
-                block_tables_ptr + seq * stride_table_b + offs_n // PAGE_SIZE, mask=mask_n, other=0
-            )
-            block = tl.maximum(block, 0).to(tl.int64)  # a -1 pad inside the context must not fault
+            block = tl.maximum(next_blocks, 0).to(tl.int64)  # a -1 pad inside the context must not fault
+            offs_next = offs_n + BLOCK_N
+            next_blocks = tl.load(table_row + offs_next // PAGE_SIZE, mask=offs_next < end, other=0)
             rows = cache_ptr + block * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_slot
             if TRANSPOSED_K:
                 keys = tl.load(

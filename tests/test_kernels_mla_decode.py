@@ -319,7 +319,9 @@ for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         print("SKIP ptxas failed: " + res.stderr[-300:]); sys.exit(0)
     print(json.dumps({"cache": str(cache_dtype), "regs": int(re.search(r"Used (\d+) registers", res.stderr).group(1)),
                       "spill": int(re.search(r"(\d+) bytes spill stores", res.stderr).group(1)),
-                      "shared": kernel.metadata.shared, "async_copy": "cp.async" in kernel.asm["ptx"]}))
+                      "shared": kernel.metadata.shared, "async_copy": "cp.async" in kernel.asm["ptx"],
+                      "buffers": max([int(m) for m in re.findall(r"memdesc<(\d+)x\d+x\d+x[a-zA-Z0-9]+, [^>]*mutable",
+                                                                   kernel.asm["ttgir"])] or [0])}))
 """
 
 
@@ -349,5 +351,6 @@ def test_split_kernel_compiles_for_sm90_without_spills():
     for report in reports:
         assert report["spill"] == 0, report
         assert report["async_copy"], report  # the latent tiles stream through cp.async
+        assert report["buffers"] >= 2, report  # ... multi-buffered (the next tile loads during this one)
         assert report["regs"] <= 128, report  # two 8-warp CTAs fit an SM's 64K registers
         assert report["shared"] <= 113 * 1024, report  # and two fit its 227 KiB of shared memory
