@@ -344,3 +344,14 @@ def test_oversized_body_is_413_in_the_endpoints_own_shape(path, anthropic_shape)
         assert body["type"] == "error" and body["error"]["type"] == "request_too_large"
     else:
         assert body["error"]["code"] == "request_too_large"
+
+
+def test_output_config_format_constrains_the_reply_to_the_schema(client, ctx):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
+              "required": ["ok", "color"], "additionalProperties": False}
+    msg = client.messages.create(model=ctx.model_name, max_tokens=48, extra_body=GREEDY,
+                                 output_config={"format": {"type": "json_schema", "schema": schema}},
+                                 messages=[{"role": "user", "content": "Pick one."}])
+    assert msg.stop_reason == "end_turn"
+    value = json.loads(msg.content[0].text)
+    assert isinstance(value["ok"], bool) and value["color"] in ("red", "green") and set(value) == {"ok", "color"}

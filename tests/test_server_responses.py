@@ -253,7 +253,7 @@ def scripted_turn(monkeypatch):
     monkeypatch.setattr(openai_responses, "run_turn", run)
 
 
-def test_reasoning_message_and_call_items_stream_as_the_sdk_expects(client, ctx, scripted_turn):
+def test_reasoning_message_and_call_items_stream_as_the_sdk_expects(server, client, ctx, scripted_turn):
     kw = dict(model=ctx.model_name, input=QUESTION, tools=[WEATHER])
     plain = client.responses.create(**kw)
     with client.responses.stream(**kw) as stream:
@@ -266,14 +266,17 @@ def test_reasoning_message_and_call_items_stream_as_the_sdk_expects(client, ctx,
     assert plain.usage.input_tokens_details.cached_tokens == 16 and plain.usage.output_tokens_details.reasoning_tokens > 0
     assert _items(final) == _items(plain)
     assert final.usage.model_dump() == plain.usage.model_dump()
-    numbers = [int(line.split('"sequence_number":')[1].rstrip("}")) for line in _raw_stream(client, kw)]
+    numbers = [json.loads(line[6:])["sequence_number"] for line in _raw_stream(server, kw)]
     assert numbers == list(range(len(numbers)))
 
 
-def _raw_stream(client, kw):
+def _raw_stream(server, kw):
     body = {**kw, "stream": True}
-    with httpx.stream("POST", str(client.base_url) + "/responses", json=body, timeout=60) as resp:
-        return [line for line in resp.iter_lines() if line.startswith("data: ")]
+    with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines
+    return lines
 
 
 def test_input_items_translate_to_chat_turns():
@@ -316,3 +319,18 @@ def test_client_disconnect_mid_stream_aborts_the_generation(server, ctx):
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.generation_tokens_total < during.generation_tokens_total + 1000  # stopped well before 4000
+
+
+def test_length_cut_stream_ends_with_response_incomplete_like_the_plain_response(server, client, ctx):
+    body = {"model": ctx.model_name, "input": "Tell me a story.", "temperature": 0, "max_output_tokens": 6}
+    plain = client.responses.create(**body)
+    assert plain.status == "incomplete" and plain.incomplete_details.reason == "max_output_tokens"
+    assert plain.output[-1].status == "incomplete"
+    events = [json.loads(line[6:]) for line in _raw_stream(server, body)]
+    assert [e["type"] for e in events][-1] == "response.incomplete"
+    last = events[-1]["response"]
+    assert last["status"] == "incomplete"
+    assert (last["usage"]["input_tokens"], last["usage"]["output_tokens"]) == (plain.usage.input_tokens, 6)
+    def strip(items):
+        return [{k: v for k, v in item.items() if k != "id"} for item in items]
+    assert strip(last["output"]) == strip(plain.model_dump(exclude_none=True)["output"])

@@ -325,13 +325,16 @@ def _item_status(turn: FinishedTurn) -> str:
 
 
 def output_items(turn: FinishedTurn) -> list[dict[str, Any]]:
+    """Reasoning, message, calls; the last item is `incomplete` when max_output_tokens cut the turn."""
     items: list[dict[str, Any]] = []
     if turn.reasoning:
         items.append(_reasoning_item(_new_id("rs"), turn.reasoning))
     if turn.content or not turn.calls:
-        items.append(_message_item(_new_id("msg"), turn.content, _item_status(turn)))
+        items.append(_message_item(_new_id("msg"), turn.content, "completed"))
     for call in turn.calls:
         items.append(_call_item(_new_id("fc"), call.id, call.name, turn.arguments(call), "completed"))
+    if "status" in items[-1]:
+        items[-1]["status"] = _item_status(turn)
     return items
 
 
@@ -432,7 +435,7 @@ class _EventWriter:
             done = _reasoning_item(item["id"], self.text)
             events.append(self.event("response.reasoning_text.done", **where, content_index=0, text=self.text))
         else:
-            done = _call_item(item["id"], item["call_id"], item["name"], self.text, "completed")
+            done = _call_item(item["id"], item["call_id"], item["name"], self.text, status)
             events.append(self.event("response.function_call_arguments.done", **where, name=item["name"],
                                      arguments=self.text))
         events.append(self.event("response.output_item.done", output_index=self.index, item=done))
