@@ -246,7 +246,8 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # the block-table width changes from step to step outside CUDA graphs: one compiled variant for all
+    @triton.jit(do_not_specialize=["max_blocks", "stride_table_b"])
     def mla_decode_split_kernel(
         q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, lse_ptr,
         num_heads, max_blocks, qk_scale_log2, value_scale,
