@@ -64,6 +64,7 @@ class Plan:
     gemm_square: int
     # (name, N, K) of one rank of 8's block-FP8 linears
     gemm_shapes: list[tuple[str, int, int]]
+    gemm_speed_shapes: list[tuple[str, int, int]]
     gemm_tokens: list[int]
     correct_tokens: list[int]
     moe_experts_local: int
@@ -103,6 +104,10 @@ class Plan:
                 ("o_proj", 7168, 1024), ("dense gate_up", 4608, 7168), ("dense down", 7168, 2304),
             ],
             gemm_tokens=[1, 64, 256], correct_tokens=[1, 64],
+            gemm_speed_shapes=[
+                ("q_a_proj", 1536, 7168), ("kv_a_proj_with_mqa", 576, 7168), ("q_b_proj", 1536, 1536),
+                ("o_proj", 7168, 1024), ("dense gate_up", 4608, 7168), ("dense down", 7168, 2304),
+            ],
             moe_experts_local=48, moe_experts_total=384, moe_hidden=7168, moe_intermediate=2048, moe_top_k=8,
             moe_tokens=[1, 64, 256],
             mla_heads=8, mla_latent=512, mla_rope=64, mla_block_size=16,
@@ -117,14 +122,15 @@ class Plan:
     def dry() -> Plan:
         return Plan(
             dry_run=True, device="cpu",
-            budgets_s={"env": 10, "correctness": 30, "kernel_speed": 20, "decode_step": 30, "serve_bench": 60},
+            # generous: the dry run must reach every code path even on a loaded machine; its sizes bound it
+            budgets_s={"env": 120, "correctness": 300, "kernel_speed": 300, "decode_step": 300, "serve_bench": 300},
             iters=1, warmup=1, copy_bytes=8 << 20, gemm_square=256,
             gemm_shapes=[("ragged", 160, 200), ("aligned", 256, 384)],
-            gemm_tokens=[4], correct_tokens=[1, 3],
+            gemm_tokens=[4], correct_tokens=[1, 3], gemm_speed_shapes=[("ragged", 160, 200)],
             moe_experts_local=4, moe_experts_total=32, moe_hidden=256, moe_intermediate=128, moe_top_k=4,
-            moe_tokens=[1, 4],
+            moe_tokens=[4],
             mla_heads=8, mla_latent=64, mla_rope=16, mla_block_size=16,
-            mla_batches=[1, 4], mla_contexts=[64], mla_correct_lens=[1, 17, 40],
+            mla_batches=[4], mla_contexts=[64], mla_correct_lens=[1, 17, 40],
             prefill_heads=2, prefill_lens=[(5, 5), (9, 9), (3, 12)],
             decode_batches=[1, 4], decode_context=32, decode_layers=4,
             serve_concurrency=[1, 4], serve_prompts=4, serve_output_len=4, serve_input_len=8,
@@ -614,7 +620,7 @@ def speed_fp8_gemm(plan: Plan, limits: dict[str, float], budget: Budget) -> list
     gen = torch.Generator(device=plan.device).manual_seed(6)
     rows = []
     dt = torch.bfloat16
-    for name, n, k in plan.gemm_shapes:
+    for name, n, k in plan.gemm_speed_shapes:
         w_bytes = n * k
         reps = rotations(plan, w_bytes)
         weights = [random_fp8_weight((n, k), plan, gen, torch.float8_e4m3fn) for _ in range(reps)]
@@ -839,78 +845,113 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def _serve_level_runs(plan: Plan, eager: bool, budget: Budget) -> list[Row]:
-    import httpx
+class ServerProcess:
+    """`kserve serve` on the embedded tiny model in a subprocess, its output to a temporary file (a pipe
+    nobody reads could fill and block the server)."""
+
+    def __init__(self, plan: Plan, eager: bool) -> None:
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.mode = "eager" if eager else "CUDA graphs"
+        cmd = [sys.executable, "-m", "kserve.cli", "serve", "--port", str(self.port), "--device", plan.device,
+               "--max-num-seqs", str(max(plan.serve_concurrency)), "--log-level", "warning", "--skip-self-check"]
+        if plan.device == "cuda":  # the tiny model needs little cache; leave the rest of the GPU alone
+            cmd += ["--gpu-memory-utilization", "0.3"]
+        if eager:
+            cmd.append("--enforce-eager")
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    async def wait_ready(self, timeout_s: float) -> str:
+        """Empty once /health answers 200, else why not."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient() as http:
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if (await http.get(self.base_url + "/health")).status_code == 200:
+                        return ""
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.25)
+        self.log.seek(0)
+        tail = self.log.read()[-300:].strip()
+        return tail or ("exited" if self.proc.poll() is not None else f"not ready in {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        if self.log.closed:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+async def _serve_level_runs(plan: Plan, server: ServerProcess, budget: Budget) -> list[Row]:
     from openai import AsyncOpenAI
 
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
     import serve_bench
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kserve.cli", "serve", "--port", str(port), "--device", plan.device,
-           "--max-num-seqs", str(max(plan.serve_concurrency)), "--log-level", "warning", "--skip-self-check"]
-    if plan.device == "cuda":  # the tiny model needs little cache; leave the rest of the GPU alone
-        cmd += ["--gpu-memory-utilization", "0.3"]
-    if eager:
-        cmd.append("--enforce-eager")
-    mode = "eager" if eager else "CUDA graphs"
-    log = tempfile.TemporaryFile(mode="w+")  # a pipe nobody reads could fill and block the server
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    mode = server.mode
+    why = await server.wait_ready(min(plan.serve_startup_timeout_s, max(1.0, budget.left())))
+    if why:
+        return [Row("serve_bench", f"serve ({mode})", "-", status=f"error: server not ready ({why})")]
     rows: list[Row] = []
+    client = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="EMPTY", max_retries=0, timeout=300)
     try:
-        deadline = time.monotonic() + min(plan.serve_startup_timeout_s, max(1.0, budget.left()))
-        ready = False
-        async with httpx.AsyncClient() as http:
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    if (await http.get(base + "/health")).status_code == 200:
-                        ready = True
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.25)
-        if not ready:
-            log.seek(0)
-            err = log.read()[-300:]
-            return [Row("serve_bench", f"serve ({mode})", "-", status=f"error: server not ready ({err.strip() or 'timeout'})")]
-        client = AsyncOpenAI(base_url=base + "/v1", api_key="EMPTY", max_retries=0, timeout=300)
-        try:
-            model = (await client.models.list()).data[0].id
-            prompts = serve_bench.make_prompts(plan.serve_prompts, plan.serve_input_len, 0)
-            await serve_bench.run_http_level(client, model, prompts[:2], 2, 2, float("inf"))  # warm-up
-            for conc in plan.serve_concurrency:
-                if budget.spent():
-                    rows.append(Row("serve_bench", f"{mode} concurrency {conc}", "-", status="skipped: stage time budget spent"))
-                    continue
-                results, duration = await serve_bench.run_http_level(client, model, prompts, plan.serve_output_len,
-                                                                    conc, float("inf"))
-                rep = serve_bench.summarize(conc, results, duration)
-                rows.append(Row("serve_bench", f"{mode} concurrency {conc}",
-                                f"{rep.output_token_throughput:.1f} tok/s, TTFT p50 {rep.ttft_ms['p50']:.1f} ms, "
-                                f"ITL p50 {rep.itl_ms['p50']:.2f} ms, failed {rep.failed}",
-                                "no failed requests", "ok" if rep.failed == 0 else "fail", asdict(rep)))
-        finally:
-            await client.close()
+        model = (await client.models.list()).data[0].id
+        prompts = serve_bench.make_prompts(plan.serve_prompts, plan.serve_input_len, 0)
+        await serve_bench.run_http_level(client, model, prompts[:2], 2, 2, float("inf"))  # warm-up
+        for conc in plan.serve_concurrency:
+            if budget.spent():
+                rows.append(Row("serve_bench", f"{mode} concurrency {conc}", "-", status="skipped: stage time budget spent"))
+                continue
+            results, duration = await serve_bench.run_http_level(client, model, prompts, plan.serve_output_len,
+                                                                conc, float("inf"))
+            rep = serve_bench.summarize(conc, results, duration)
+            rows.append(Row("serve_bench", f"{mode} concurrency {conc}",
+                            f"{rep.output_token_throughput:.1f} tok/s, TTFT p50 {rep.ttft_ms['p50']:.1f} ms, "
+                            f"ITL p50 {rep.itl_ms['p50']:.2f} ms, failed {rep.failed}",
+                            "no failed requests", "ok" if rep.failed == 0 else "fail", asdict(rep)))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        await client.close()
     return rows
 
 
-def stage_serve_bench(plan: Plan, budget: Budget, limits: dict[str, float]) -> tuple[list[Row], dict[str, Any]]:
+def serve_bench_missing() -> str:
     for needed in ("openai", "httpx"):
         if importlib.util.find_spec(needed) is None:
-            return [Row("serve_bench", "serve", "-", status=f"skipped: {needed} is not installed (pip install -e '.[bench]')")], {}
+            return f"skipped: {needed} is not installed (pip install -e '.[bench]')"
+    return ""
+
+
+def stage_serve_bench(
+    plan: Plan, budget: Budget, limits: dict[str, float], prestarted: ServerProcess | None = None
+) -> tuple[list[Row], dict[str, Any]]:
+    """CUDA graphs on, then off (eager); on the CPU only eager. `prestarted` is an eager server already
+    starting (the dry run overlaps its start-up with the other stages; the GPU run never does)."""
+    why = serve_bench_missing()
+    if why:
+        return [Row("serve_bench", "serve", "-", status=why)], {}
     rows: list[Row] = []
-    modes = [False, True] if plan.device == "cuda" else [True]  # graphs first, then eager; CPU has only eager
+    modes = [False, True] if plan.device == "cuda" else [True]
     for eager in modes:
-        guarded("serve_bench", "serve", rows, budget, lambda eager=eager: asyncio.run(_serve_level_runs(plan, eager, budget)))
+        server = prestarted if (eager and prestarted is not None) else None
+        if server is None and budget.spent():
+            rows.append(Row("serve_bench", f"serve ({'eager' if eager else 'CUDA graphs'})", "-",
+                            status="skipped: stage time budget spent"))
+            continue
+        server = server or ServerProcess(plan, eager)
+        try:
+            guarded("serve_bench", f"serve ({server.mode})", rows, budget,
+                    lambda server=server: asyncio.run(_serve_level_runs(plan, server, budget)))
+        finally:
+            server.stop()
     if plan.device != "cuda":
         rows.append(Row("serve_bench", "CUDA graphs", "-", status="skipped: n/a on CPU"))
     return rows, {"concurrency": plan.serve_concurrency, "num_prompts": plan.serve_prompts,
@@ -967,35 +1008,48 @@ def plot_kernel_table(rows: list[Row], path: Path) -> str:
     return ""
 
 
+def _stage_status(rows: list[Row]) -> str:
+    statuses = [r.status for r in rows]
+    if any(s == "fail" or s.startswith("error") for s in statuses):
+        return "fail" if "fail" in statuses else "error"
+    if rows and all(s.startswith("skipped") for s in statuses):
+        return "skipped: " + "; ".join(sorted({s[len("skipped: "):] for s in statuses}))[:300]
+    return "ok"
+
+
 def run(plan: Plan, out_dir: Path, stages: list[str]) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     limits: dict[str, float] = {}
     all_rows: list[Row] = []
     report: dict[str, Any] = {"dry_run": plan.dry_run, "device": plan.device, "stages": {}}
-    for name in STAGES:
-        if name not in stages:
-            report["stages"][name] = {"status": "skipped: not requested", "rows": []}
-            continue
-        budget = Budget(plan.budgets_s[name])
-        t0 = time.perf_counter()
-        try:
-            rows, info = STAGE_FUNCS[name](plan, budget, limits)
-        except Exception as exc:
-            rows, info = [Row(name, "stage", "-", status=f"error: {type(exc).__name__}: {str(exc)[:300]}")], {}
-        release(plan.device)
-        statuses = [r.status for r in rows]
-        if any(s == "fail" or s.startswith("error") for s in statuses):
-            status = "fail" if "fail" in statuses else "error"
-        elif rows and all(s.startswith("skipped") for s in statuses):
-            status = "skipped: " + "; ".join(sorted({s[len("skipped: "):] for s in statuses}))[:300]
-        else:
-            status = "ok"
-        seconds = time.perf_counter() - t0
-        report["stages"][name] = {"status": status, "seconds": round(seconds, 2), "info": info,
-                                  "rows": [asdict(r) for r in rows]}
-        all_rows.extend(rows)
-        print(f"[gpu_check] {name}: {status} in {seconds:.1f} s", file=sys.stderr, flush=True)
+    funcs = dict(STAGE_FUNCS)
+    prestarted = None
+    if plan.dry_run and "serve_bench" in stages and not serve_bench_missing():
+        # CPU timings mean nothing here, so the server's start-up may overlap the other stages.
+        prestarted = ServerProcess(plan, eager=True)
+        funcs["serve_bench"] = partial(stage_serve_bench, prestarted=prestarted)
+    try:
+        for name in STAGES:
+            if name not in stages:
+                report["stages"][name] = {"status": "skipped: not requested", "rows": []}
+                continue
+            budget = Budget(plan.budgets_s[name])
+            t0 = time.perf_counter()
+            try:
+                rows, info = funcs[name](plan, budget, limits)
+            except Exception as exc:
+                rows, info = [Row(name, "stage", "-", status=f"error: {type(exc).__name__}: {str(exc)[:300]}")], {}
+            release(plan.device)
+            status = _stage_status(rows)
+            seconds = time.perf_counter() - t0
+            report["stages"][name] = {"status": status, "seconds": round(seconds, 2), "info": info,
+                                      "rows": [asdict(r) for r in rows]}
+            all_rows.extend(rows)
+            print(f"[gpu_check] {name}: {status} in {seconds:.1f} s", file=sys.stderr, flush=True)
+    finally:
+        if prestarted is not None:
+            prestarted.stop()  # idempotent: also when the stage never ran
     report["limits"] = limits
     report["total_seconds"] = round(time.perf_counter() - started, 2)
     png = out_dir / "gpu_check_kernels.png"
