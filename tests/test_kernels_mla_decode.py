@@ -69,6 +69,7 @@ CASES = {
         batch=33, heads=2, latent_dim=16, rope_dim=16, block_size=16,
         context_lens=[(7 * i) % 41 for i in range(33)],  # includes 0-length padding rows
     ),
+    "two_head_tiles": Case(batch=2, heads=20, latent_dim=16, rope_dim=16, block_size=16, context_lens=[30, 9]),
     "k2_width": Case(batch=2, heads=16, latent_dim=512, rope_dim=64, block_size=16, context_lens=[23, 40]),
 }
 
@@ -200,6 +201,7 @@ TRITON_CASES = [
     ("batch1", 4, False),
     ("batch33_with_empty", 2, False),
     ("batch33_with_empty", 1, True),
+    ("two_head_tiles", 2, False),
 ]
 
 
