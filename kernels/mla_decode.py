@@ -70,6 +70,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kserve.kernels.fp8_dequant import triton_available
+
 _FP8_DTYPES = (torch.float8_e4m3fn,)
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + _FP8_DTYPES
 _QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -445,11 +447,7 @@ def mla_decode_triton(
 
 
 def _triton_runs(kv_cache: torch.Tensor) -> bool:
-    if not kv_cache.is_cuda:
-        return False
-    try:
-        import triton  # noqa: F401
-    except Exception:
+    if not kv_cache.is_cuda or not triton_available():
         return False
     if kv_cache.dtype in _FP8_DTYPES:
         return torch.cuda.get_device_capability(kv_cache.device) >= (8, 9)

@@ -342,7 +342,9 @@ def test_split_kernel_compiles_for_sm90_without_spills():
     except ImportError:
         pytest.skip("this triton has no ahead-of-time compile API")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", SM90_COMPILE_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", SM90_COMPILE_SCRIPT], check=False, capture_output=True, text=True, env=env, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     if res.stdout.startswith("SKIP"):
         pytest.skip(res.stdout.strip())
