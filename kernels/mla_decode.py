@@ -435,12 +435,14 @@ def mla_decode_triton(
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if splits > 1:
+        block_s = max(2, triton.next_power_of_2(splits))
         merge_kernel[(batch, heads)](
             partial, lse, out,
             partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            LATENT_DIM=latent_dim, NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-            BLOCK_C=min(128, triton.next_power_of_2(latent_dim)),
+            LATENT_DIM=latent_dim, NUM_SPLITS=splits, BLOCK_S=block_s,
+            # at most 8K partial values a step (64 registers a thread at 4 warps)
+            BLOCK_C=min(triton.next_power_of_2(latent_dim), max(16, 8192 // block_s)),
             num_warps=4,
         )
     return out
