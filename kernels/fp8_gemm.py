@@ -14,6 +14,11 @@ what the Triton GEMM does per K step; the torch path forms the same products fro
   scales but not for 128x128 blocks, so it would need one call per group, and it was no faster.
 - `quantize_per_token_group_triton` + `w8a8_block_matmul_triton`: the Triton kernels. Both also take
   fp32/fp16 containers holding FP8-representable values, which is how they run under TRITON_INTERPRET=1.
+  Launch (from shapes only, so fixed under a CUDA graph; reasoned for H200, not yet measured on one):
+  BLOCK_K = 128 = one activation group and one weight block per step; BLOCK_M 16..128 by M; BLOCK_N 64
+  for small M so more programs stream the weight; split-K for decode shapes with few output tiles
+  (about two waves over the SMs, at least MIN_GROUPS_PER_SPLIT groups each, fp32 partials summed in a
+  fixed order). The activation quantization is its own small kernel, one program per (token, group).
 - `torch.ops.kserve.fp8_block_linear` / `fp8_block_linear`: what callers use; Triton on CUDA from sm89
   (native fp8) when Triton is importable, the torch reference otherwise.
 """
@@ -34,6 +39,8 @@ from kserve.kernels.fp8_quant import (
 )
 
 SUPPORTED_BLOCK = (128, 128)
+# Split-K never gives a program fewer K groups than this.
+MIN_GROUPS_PER_SPLIT = 4
 # The torch path widens at most this many weight elements to fp32 at a time (64 MiB).
 CHUNK_ELEMENTS = 1 << 24
 # Containers a weight or a quantized activation may arrive in: real fp8, or (for the interpreter and
@@ -161,19 +168,22 @@ def _kernels():
 
     @triton.jit
     def gemm_kernel(
-        a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, G,
+        a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, G, GROUPS_PER_SPLIT,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)  # split-K: this program's share of the K groups
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
         mask_n = offs_n < N
         scale_rows_n = offs_n // SCALE_BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(G):
+        g_start = pid_k * GROUPS_PER_SPLIT
+        g_end = tl.minimum(g_start + GROUPS_PER_SPLIT, G)
+        for g in range(g_start, g_end):
             offs_k = g * BLOCK_K + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -186,7 +196,8 @@ def _kernels():
             partial = tl.dot(a, b, input_precision=DOT_PRECISION)
             acc += partial * a_s[:, None] * b_s[None, :]
         c_mask = mask_m[:, None] & mask_n[None, :]
-        tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        c_offs = pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
     return quant_kernel, gemm_kernel
 
@@ -221,6 +232,24 @@ def _gemm_config(m: int, interpret: bool) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _split_k(tiles: int, groups: int, device: torch.device, interpret: bool) -> int:
+    """How many programs share one output tile's K groups, from shapes only (fixed under a CUDA graph).
+
+    Decode-sized GEMMs with few output tiles (K2's kv_a_proj_with_mqa at M=1: 9 tiles of 64 columns,
+    K = 56 groups) would leave most SMs idle while a handful stream the weight; splitting K gives about
+    two waves of programs, each with at least MIN_GROUPS_PER_SPLIT groups so the fp32 partials stay small
+    next to the weight read."""
+    if interpret or device.type != "cuda":
+        return 1
+    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(-(-target // tiles), groups // MIN_GROUPS_PER_SPLIT))
+
+
 def w8a8_block_matmul_quantized_triton(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,
@@ -230,8 +259,12 @@ def w8a8_block_matmul_quantized_triton(
     out_dtype: torch.dtype = torch.bfloat16,
     block_m: int | None = None,
     block_n: int | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
-    """Triton GEMM on an already-quantized activation (x_q [M, K], x_scale [M, ceil(K/128)])."""
+    """Triton GEMM on an already-quantized activation (x_q [M, K], x_scale [M, ceil(K/128)]).
+
+    `block_m`, `block_n` and `split_k` override the shape heuristics (tests). With split_k > 1 each
+    split writes fp32 partial sums to a workspace that is summed in a fixed order (deterministic)."""
     import os
 
     import triton
@@ -250,13 +283,21 @@ def w8a8_block_matmul_quantized_triton(
         return out.zero_()
     _, gemm_kernel = _kernels()
     precision = "ieee" if x_q.dtype == torch.float32 else None
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    groups = num_groups(k, block[1])
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    splits = split_k or _split_k(tiles, groups, x_q.device, interpret)
+    per_split = -(-groups // max(1, min(splits, groups)))
+    splits = -(-groups // per_split)  # no empty splits
+    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x_q.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
     gemm_kernel[grid](
-        x_q.contiguous(), x_scale.float().contiguous(), weight.contiguous(), weight_scale_inv.float().contiguous(), out,
-        m, n, k, num_groups(k, block[1]),
+        x_q.contiguous(), x_scale.float().contiguous(), weight.contiguous(), weight_scale_inv.float().contiguous(), target,
+        m, n, k, groups, per_split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1], SCALE_BLOCK_N=block[0], DOT_PRECISION=precision,
         num_warps=warps, num_stages=stages,
     )
+    if splits > 1:
+        out.copy_(target.sum(dim=0))
     return out
 
 
@@ -268,6 +309,7 @@ def w8a8_block_matmul_triton(
     out_dtype: torch.dtype | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N]: Triton activation quantization then the Triton block-scaled GEMM.
 
@@ -277,7 +319,9 @@ def w8a8_block_matmul_triton(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     x_q, x_scale = quantize_per_token_group_triton(x2, block[1], out_dtype=weight.dtype)
-    out = w8a8_block_matmul_quantized_triton(x_q, x_scale, weight, weight_scale_inv, block, out_dtype, block_m, block_n)
+    out = w8a8_block_matmul_quantized_triton(
+        x_q, x_scale, weight, weight_scale_inv, block, out_dtype, block_m, block_n, split_k
+    )
     return out.view(*lead, weight.shape[0])
 
 

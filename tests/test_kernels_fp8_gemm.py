@@ -127,6 +127,20 @@ def test_triton_gemm_matches_reference(container, m, n, k):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("m,n,k,split_k", [(3, 200, 576, 3), (1, 160, 1100, 4), (2, 130, 300, 9)])
+def test_triton_gemm_split_k_matches_reference(m, n, k, split_k):
+    """K groups shared by several programs (decode-sized GEMMs on the GPU), ragged last group included;
+    more splits than groups falls back to one group per split."""
+    from kserve.kernels.fp8_gemm import w8a8_block_matmul_triton
+
+    x = make_activation(m, k, seed=k + split_k)
+    w_q, w_s = make_weight(n, k, seed=n + split_k)
+    want = w8a8_block_matmul_torch(x, w_q, w_s)
+    got = w8a8_block_matmul_triton(x, w_q.float(), w_s, out_dtype=torch.float32, split_k=split_k)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_interpreter
 def test_triton_gemm_k2_shape_and_leading_dims():
     """K2's per-rank o_proj at TP 8 (K = 8 heads x 128, N = 7168) on a [2, 1, K] decode input."""
     from kserve.kernels.fp8_gemm import w8a8_block_matmul_triton
