@@ -237,17 +237,18 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _split_k(tiles: int, groups: int, device: torch.device, interpret: bool) -> int:
+def _split_k(m: int, k: int, tiles: int, groups: int, device: torch.device, interpret: bool) -> int:
     """How many programs share one output tile's K groups, from shapes only (fixed under a CUDA graph).
 
     Decode-sized GEMMs with few output tiles (K2's kv_a_proj_with_mqa at M=1: 9 tiles of 64 columns,
     K = 56 groups) would leave most SMs idle while a handful stream the weight; splitting K gives about
-    two waves of programs, each with at least MIN_GROUPS_PER_SPLIT groups so the fp32 partials stay small
-    next to the weight read."""
+    two waves of programs, each with at least MIN_GROUPS_PER_SPLIT groups, and only while the fp32
+    partials (written and read back: splits * M * N * 8 bytes) stay under a quarter of the weight's
+    N * K bytes, so larger batches, which fill the GPU anyway, are not split."""
     if interpret or device.type != "cuda":
         return 1
     target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(-(-target // tiles), groups // MIN_GROUPS_PER_SPLIT))
+    return max(1, min(-(-target // tiles), groups // MIN_GROUPS_PER_SPLIT, k // (32 * max(1, m))))
 
 
 def w8a8_block_matmul_quantized_triton(
@@ -285,7 +286,7 @@ def w8a8_block_matmul_quantized_triton(
     precision = "ieee" if x_q.dtype == torch.float32 else None
     groups = num_groups(k, block[1])
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    splits = split_k or _split_k(tiles, groups, x_q.device, interpret)
+    splits = split_k or _split_k(m, k, tiles, groups, x_q.device, interpret)
     per_split = -(-groups // max(1, min(splits, groups)))
     splits = -(-groups // per_split)  # no empty splits
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x_q.device)
