@@ -47,6 +47,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "supervisor restarts it; with --no-exit-on-engine-death it stays up answering 503")
     p.add_argument("--responses-store-size", type=int, default=1000,
                    help="finished /v1/responses kept in memory for previous_response_id and GET (0: off)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes the --tp ranks span (tp / nnodes ranks each)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 holds rank 0 and serves HTTP")
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, where every rank rendezvouses")
+    p.add_argument("--master-port", type=int, default=None, help="node 0's rendezvous port (needed with --nnodes > 1)")
+    p.add_argument("--headless", action="store_true",
+                   help="nodes other than 0: run this node's ranks without the HTTP server")
+    p.add_argument("--dist-timeout", type=float, default=300.0,
+                   help="seconds before a blocked collective or the rendezvous fails")
 
 
 def _add_make_tiny(sub: argparse._SubParsersAction) -> None:

@@ -183,6 +183,9 @@ class AsyncLLMEngine:
         thread = self._thread
         if self._fatal_error is None and thread is not None and not self._stopping and not thread.is_alive():
             return EngineDeadError("the engine loop thread is not running")
+        lost_rank = getattr(self.engine.tp_workers, "failure", None)  # seen at once, even mid-collective
+        if self._fatal_error is None and lost_rank is not None:
+            return _dead_error(lost_rank)
         return self._fatal_error
 
     def healthy(self) -> bool:

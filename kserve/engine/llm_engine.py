@@ -127,9 +127,11 @@ class LLMEngine:
             model = load_model(model_dir, device=device, dtype=dtype)
             return cls(model, model.config, tokenizer, config, model_dir, device, dtype)
 
+        from kserve.engine.rank_launch import RANK_LAYOUT_KEY
         from kserve.engine.tp_workers import TensorParallelWorkers
 
-        workers = TensorParallelWorkers(model_dir, config.tensor_parallel_size, device, dtype)
+        workers = TensorParallelWorkers(model_dir, config.tensor_parallel_size, device, dtype,
+                                        layout=config.extra.get(RANK_LAYOUT_KEY))
         try:
             model = load_model(model_dir, device=device, dtype=dtype, parallel=workers.parallel)
             return cls(model, model.config, tokenizer, config, model_dir, device, dtype, tp_workers=workers)

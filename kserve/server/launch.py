@@ -20,6 +20,7 @@ from kserve.server.context import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
 from kserve.server.request_log import install_request_id_logging
 
 logger = logging.getLogger("kserve.server")
+ENGINE_DEATH_EXIT_S = 25.0  # after a tensor-parallel rank is lost, the process is gone within this long
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -71,7 +72,30 @@ def _uvicorn_config(settings: ServerSettings, loader: EngineLoader | None,
 
 
 def run_server(args: argparse.Namespace) -> int:
-    return serve(settings_from_args(args))
+    from kserve.engine.rank_launch import RANK_LAYOUT_KEY, layout_for_serve, run_headless
+
+    try:
+        layout = layout_for_serve(
+            args.tensor_parallel_size, getattr(args, "nnodes", 1), getattr(args, "node_rank", 0),
+            getattr(args, "master_addr", "127.0.0.1"), getattr(args, "master_port", None),
+            getattr(args, "headless", False), getattr(args, "dist_timeout", 300.0),
+            # a lost rank can leave a collective blocked: the server exits even then (after the 503s)
+            ENGINE_DEATH_EXIT_S if getattr(args, "exit_on_engine_death", True) else None,
+        )
+    except ValueError as exc:
+        _configure_logging(args.log_level)
+        logger.error("%s", exc)
+        return 2
+    if layout is not None and layout.this_rank != 0:
+        _configure_logging(args.log_level)
+        logger.info("kserve headless node %d: ranks %d..%d of %d, rank 0 at %s:%s", layout.node_rank,
+                    layout.first_rank, layout.first_rank + layout.ranks_per_node - 1, layout.world_size,
+                    layout.master_addr, layout.master_port)
+        return run_headless(layout, args.model_dir, args.device, args.dtype)
+    settings = settings_from_args(args)
+    if layout is not None:
+        settings.engine.extra[RANK_LAYOUT_KEY] = layout
+    return serve(settings)
 
 
 def serve(settings: ServerSettings) -> int:

@@ -1,0 +1,165 @@
+"""The control plane's wire format: rank 0 tells every other rank what to do next, over torch.distributed.
+
+Each message is one fixed-size int64 header broadcast from rank 0, then (for most kinds) one packed
+payload tensor whose size the header gives, so a receiver always knows how much to receive and no
+Python object is pickled on the hot path:
+
+    header  int64[HEADER_LEN] = [kind, num_tokens, num_seqs, num_table_entries, num_sample_rows,
+                                 padded_batch_size (-1 = None), payload_len, 0]
+    STEP payload int32[payload_len] = input_ids | positions | slots           (num_tokens each)
+                                      | query_lens | context_lens | table_lens (num_seqs each)
+                                      | block_tables flattened                 (num_table_entries)
+                                      | sample_rows                            (num_sample_rows)
+    INIT payload uint8[payload_len] = the pickled ModelRunner arguments (once, at start-up)
+
+HEARTBEAT and SHUTDOWN have no payload. Every value of a step (token ids, positions, slots, block
+ids) fits in int32; `pack_step` refuses a step that does not rather than truncating it.
+The tensors live on `device` (CPU for a gloo group, the rank's GPU for an NCCL group).
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kserve.engine.model_runner import StepInputs
+
+HEADER_LEN = 8
+_INT32_MAX = 2**31 - 1
+
+
+class MessageKind(enum.IntEnum):
+    STEP = 1
+    HEARTBEAT = 2
+    SHUTDOWN = 3
+    INIT = 4
+
+
+@dataclass
+class Message:
+    kind: MessageKind
+    step: StepInputs | None = None
+    init: Any = None
+
+
+def pack_step(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header int64[HEADER_LEN], payload int32[n]) for one step, on the CPU."""
+    num_tokens = len(inputs.input_ids)
+    num_seqs = len(inputs.query_lens)
+    tables = inputs.block_tables
+    if len(inputs.positions) != num_tokens or len(inputs.slots) != num_tokens:
+        raise ValueError(f"StepInputs: positions ({len(inputs.positions)}) and slots ({len(inputs.slots)}) "
+                         f"must match input_ids ({num_tokens})")
+    if len(inputs.context_lens) != num_seqs or len(tables) != num_seqs:
+        raise ValueError(f"StepInputs: context_lens ({len(inputs.context_lens)}) and block_tables "
+                         f"({len(tables)}) must match query_lens ({num_seqs})")
+    table_lens = [len(t) for t in tables]
+    num_entries = sum(table_lens)
+    flat_tables = np.fromiter((b for t in tables for b in t), dtype=np.int64, count=num_entries)
+    parts = [
+        np.asarray(inputs.input_ids, dtype=np.int64),
+        np.asarray(inputs.positions, dtype=np.int64),
+        np.asarray(inputs.slots, dtype=np.int64),
+        np.asarray(inputs.query_lens, dtype=np.int64),
+        np.asarray(inputs.context_lens, dtype=np.int64),
+        np.asarray(table_lens, dtype=np.int64),
+        flat_tables,
+        np.asarray(inputs.sample_rows, dtype=np.int64),
+    ]
+    packed = np.concatenate(parts)
+    if packed.size and (packed.max() > _INT32_MAX or packed.min() < -_INT32_MAX - 1):
+        raise ValueError(f"StepInputs: a value ({int(packed.max())}) does not fit the step wire format (int32)")
+    padded = -1 if inputs.padded_batch_size is None else inputs.padded_batch_size
+    header = torch.tensor(
+        [MessageKind.STEP, num_tokens, num_seqs, num_entries, len(inputs.sample_rows), padded, packed.size, 0],
+        dtype=torch.int64,
+    )
+    return header, torch.from_numpy(packed.astype(np.int32))
+
+
+def unpack_step(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
+    """The StepInputs that `pack_step` packed (header and payload on any device)."""
+    _, num_tokens, num_seqs, num_entries, num_sample, padded, size, _ = header.tolist()
+    values = payload.cpu().numpy()
+    if values.size != size:
+        raise ValueError(f"step payload has {values.size} values, header says {size}")
+    cuts = np.cumsum([num_tokens, num_tokens, num_tokens, num_seqs, num_seqs, num_seqs, num_entries])
+    ids, pos, slots, qlens, clens, tlens, flat, sample = np.split(values, cuts)
+    flat_list = flat.tolist()
+    tables: list[list[int]] = []
+    start = 0
+    for n in tlens.tolist():
+        tables.append(flat_list[start : start + n])
+        start += n
+    return StepInputs(
+        input_ids=ids.tolist(),
+        positions=pos.tolist(),
+        slots=slots.tolist(),
+        block_tables=tables,
+        query_lens=qlens.tolist(),
+        context_lens=clens.tolist(),
+        sample_rows=sample.tolist(),
+        padded_batch_size=None if padded < 0 else padded,
+    )
+
+
+def _bare_header(kind: MessageKind, payload_len: int = 0) -> torch.Tensor:
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0] = int(kind)
+    header[6] = payload_len
+    return header
+
+
+class StepChannel:
+    """Broadcasts control messages from rank `src` (rank 0) over `group`; every other rank receives them.
+
+    Not thread-safe: the sender serializes its calls (see TensorParallelWorkers). `device` is where the
+    tensors travel: "cpu" for a gloo group, the rank's CUDA device for an NCCL group.
+    """
+
+    def __init__(self, group: Any, device: torch.device | str = "cpu", src: int = 0) -> None:
+        self.group = group
+        self.device = torch.device(device)
+        self.src = src
+        self._header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+
+    def _send(self, header: torch.Tensor, payload: torch.Tensor | None) -> None:
+        dist.broadcast(header.to(self.device), self.src, group=self.group)
+        if payload is not None and payload.numel():
+            dist.broadcast(payload.to(self.device), self.src, group=self.group)
+
+    # ------------------------------------------------------------------ sender (rank 0)
+    def send_step(self, inputs: StepInputs) -> None:
+        self._send(*pack_step(inputs))
+
+    def send_init(self, value: Any) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        self._send(_bare_header(MessageKind.INIT, data.numel()), data)
+
+    def send_heartbeat(self) -> None:
+        self._send(_bare_header(MessageKind.HEARTBEAT), None)
+
+    def send_shutdown(self) -> None:
+        self._send(_bare_header(MessageKind.SHUTDOWN), None)
+
+    # ------------------------------------------------------------------ receivers
+    def receive(self) -> Message:
+        dist.broadcast(self._header, self.src, group=self.group)
+        header = self._header.cpu()
+        kind = MessageKind(int(header[0]))
+        size = int(header[6])
+        if kind in (MessageKind.HEARTBEAT, MessageKind.SHUTDOWN):
+            return Message(kind)
+        dtype = torch.int32 if kind == MessageKind.STEP else torch.uint8
+        payload = torch.empty(size, dtype=dtype, device=self.device)
+        if size:
+            dist.broadcast(payload, self.src, group=self.group)
+        if kind == MessageKind.INIT:
+            return Message(kind, init=pickle.loads(payload.cpu().numpy().tobytes()))
+        return Message(kind, step=unpack_step(header, payload))
