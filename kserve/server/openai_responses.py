@@ -386,7 +386,7 @@ def delete_response(store: ResponseStore, response_id: str) -> dict[str, Any]:
         raise store_disabled("deleting a response")
     if not store.delete(response_id):
         raise not_found(response_id)
-    return {"id": response_id, "object": "response.deleted", "deleted": True}
+    return {"id": response_id, "object": "response", "deleted": True}
 
 
 # ----------------------------------------------------------------------------- streaming
