@@ -18,13 +18,14 @@ anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
 from starlette.requests import Request  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
 
 from kserve.chat import ToolCall as ParsedToolCall  # noqa: E402
 from kserve.config import EngineConfig  # noqa: E402
 from kserve.server import anthropic_messages  # noqa: E402
 from kserve.server.anthropic_messages import chat_messages, check_api_key  # noqa: E402
 from kserve.server.anthropic_protocol import MessagesRequest  # noqa: E402
-from kserve.server.app import BodyLimitMiddleware  # noqa: E402
+from kserve.server.app import BodyLimitMiddleware, build_app  # noqa: E402
 from kserve.server.chat_turn import FinishedTurn, TurnDelta, TurnUsage  # noqa: E402
 from kserve.server.context import ServerSettings  # noqa: E402
 from kserve.server.errors import APIError  # noqa: E402
@@ -355,3 +356,20 @@ def test_output_config_format_constrains_the_reply_to_the_schema(client, ctx):
     assert msg.stop_reason == "end_turn"
     value = json.loads(msg.content[0].text)
     assert isinstance(value["ok"], bool) and value["color"] in ("red", "green") and set(value) == {"ok", "color"}
+
+
+def test_auth_and_readiness_errors_through_the_app_are_anthropic_shaped():
+    async def never_loads(settings, metrics):
+        await asyncio.Event().wait()
+
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(build_app(ServerSettings(api_key="sekrit"), loader=never_loads)) as http:
+        denied = http.post("/v1/messages", json=body)
+        assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+        for headers in ({"x-api-key": "sekrit"}, {"authorization": "Bearer sekrit"}):
+            loading = http.post("/v1/messages/count_tokens", json=body, headers=headers)
+            assert loading.status_code == 503 and loading.json()["type"] == "error"
+            assert loading.json()["error"]["type"] == "overloaded_error"
+        # the OpenAI endpoints keep their own shape (and bearer auth)
+        openai_denied = http.post("/v1/chat/completions", json=body, headers={"x-api-key": "sekrit"})
+        assert openai_denied.status_code == 401 and openai_denied.json()["error"]["code"] == "invalid_api_key"
