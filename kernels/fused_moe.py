@@ -1,0 +1,566 @@
+"""Fused routed-expert MoE: out[t] = sum_k w[t, k] * down(silu(gate(x_t)) * up(x_t)) for expert ids[t, k].
+
+Layout (as RoutedExperts stores it): w13 [E_local, 2I, H] with the gate rows first, w2 [E_local, H, I].
+`topk_ids` hold GLOBAL expert ids; this rank owns [first_expert, first_expert + E_local). Pairs routed
+to other expert-parallel ranks contribute exactly zero, decided on the device (no host read).
+
+FP8 (w8a8 block, as DeepSeek-V3 / vLLM run it): with `w13_scale` [E, ceil(2I/B0), ceil(H/B1)] and
+`w2_scale` [E, ceil(H/B0), ceil(I/B1)] the weights hold float8_e4m3fn values (or fp32/fp16 containers of
+them) and the real weight is W_q * scale per B0 x B1 block. Activations are quantized per token in 1 x B1
+groups exactly as `fp8_quant.quantize_per_token_group_torch` does, before the gate/up GEMM (on x) and
+before the down GEMM (on silu(gate) * up, first rounded to x.dtype). Products accumulate in fp32. Without
+scales the weights are dense floats and nothing is quantized.
+
+Numerics shared by every path: the per-(token, slot) expert output is scaled by its routing weight in
+fp32, the top-k outputs are summed in fp32, and the sum is cast to x.dtype once.
+
+Paths
+- `fused_moe_torch`: the reference and the CPU path, with no per-expert Python loop. The strategy is
+  chosen from shapes only (`_use_gather_strategy`):
+  * gather: for few (token, slot) pairs, each pair's expert weights are gathered (dequantized if FP8)
+    and applied with one batched matmul. Decode-sized batches touch only the experts they use.
+  * grouped: pairs are sorted by local expert (remote pairs last) and `torch._grouped_mm` runs one GEMM
+    per expert segment from device-side offsets (it works on CPU in torch 2.13 for fp32/bf16/fp16;
+    rows past the last offset come back uninitialized and are masked out). FP8 weights are dequantized
+    whole once per call, which is what the per-expert loop ends up doing when every expert is hit.
+- `fused_moe_triton`: `align_pairs_to_experts` (torch ops, static sizes) sorts the pairs by local expert
+  and pads every expert's segment to BLOCK_M (vLLM's moe_align_block_size idea); padding and remote
+  pairs carry the sentinel id T*k, blocks past the last segment carry expert -1 and exit at once. Kernel 1
+  is a grouped GEMM over sorted pairs computing the gate and up tiles of the same columns side by side
+  and storing silu(gate) * up; kernel 2 is the down GEMM with the routing weight applied in the epilogue,
+  written per pair into a zeroed fp32 [T*k, H] buffer that torch sums over k. FP8 weight blocks are
+  scaled in-kernel once per K step (BLOCK_K = B1, so one activation group and one weight block per
+  step; the fp8 partial product is promoted to fp32 before scaling, never accumulated in fp8).
+- `torch.ops.kserve.fused_moe` / `fused_moe`: what the model calls. Triton on CUDA (sm89+ when the
+  weights are fp8), the torch path otherwise; `register_fake` makes it traceable with no host reads.
+
+Tiles for H200 (`choose_tile_config`; not tuned on hardware yet, reasoned from the K2 decode shapes of
+one expert-parallel rank: 48 local experts, H 7168, I 2048, top-8, T = 1 / 64 / 256). Those steps are
+memory bound: even at T=256 a rank sees about 256 local pairs, ~5 per expert, so the cost is reading each
+hit expert's weights once (3 * I * H bytes = 42 MiB per expert in fp8, 2 GiB for all 48). So:
+  * BLOCK_M from rows per local expert, estimated as T*k / E_local (an upper bound under expert
+    parallelism): 16 (tl.dot's minimum) up to 64. A larger BLOCK_M than needed only costs idle MMA rows,
+    while a too-small one re-reads the expert's weights once per extra block.
+  * BLOCK_K = 128 (the FP8 group), BLOCK_N = 64 for small M so that one hit expert still spreads over
+    I/64 = 32 (kernel 1) and H/64 = 112 (kernel 2) programs, 128 once BLOCK_M reaches 64.
+  * num_warps 4, num_stages 3: per stage kernel 1 holds A [BM, 128] + two B [128, BN] tiles, 24 KiB in
+    fp8 at BM=BN=64, well inside the H200's shared memory.
+  The static block count, ceil((T*k + E_local*(BLOCK_M-1)) / BLOCK_M), is what makes the launch
+  CUDA-graph-capturable; at T=1 most of those programs read one int and return.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kserve.kernels.fp8_quant import FP8_DTYPE, num_groups, quantize_per_token_group_torch
+
+DEFAULT_BLOCK = (128, 128)
+
+
+# --- argument checks (shapes and dtypes only: safe under FakeTensorMode) --------------------------------
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    tokens: int
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+
+    @property
+    def num_pairs(self) -> int:
+        return self.tokens * self.top_k
+
+
+def check_fused_moe_args(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    block: tuple[int, int],
+) -> MoeShape:
+    if x.dim() != 2 or not x.is_floating_point() or x.dtype == FP8_DTYPE:
+        raise ValueError(f"x must be a 2-D float tensor [T, H], got {x.dtype} of shape {tuple(x.shape)}")
+    tokens, hidden = x.shape
+    if w13.dim() != 3:
+        raise ValueError(f"w13 must be [E_local, 2I, H], got shape {tuple(w13.shape)}")
+    experts, two_inter, w13_hidden = w13.shape
+    if experts < 1:
+        raise ValueError(f"w13 has no experts (shape {tuple(w13.shape)})")
+    if w13_hidden != hidden:
+        raise ValueError(f"w13 hidden size {w13_hidden} (shape {tuple(w13.shape)}) != x hidden size {hidden}")
+    if two_inter % 2:
+        raise ValueError(f"w13 has an odd number of rows {two_inter}; expected 2I (gate rows then up rows)")
+    inter = two_inter // 2
+    if w2.dim() != 3 or tuple(w2.shape) != (experts, hidden, inter):
+        raise ValueError(f"w2 shape {tuple(w2.shape)} != (E_local, H, I) = {(experts, hidden, inter)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids shape {tuple(topk_ids.shape)} must be [T, k] with T = {tokens}, k >= 1")
+    if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
+        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.is_floating_point():
+        raise ValueError(
+            f"topk_weights must be a float tensor shaped like topk_ids {tuple(topk_ids.shape)}, "
+            f"got {topk_weights.dtype} of shape {tuple(topk_weights.shape)}"
+        )
+    if not isinstance(first_expert, int) or first_expert < 0:
+        raise ValueError(f"first_expert must be a non-negative int, got {first_expert!r}")
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("pass both w13_scale and w2_scale (FP8 weights) or neither (dense weights)")
+    if w13_scale is None:
+        for name, w in (("w13", w13), ("w2", w2)):
+            if not w.is_floating_point() or w.dtype == FP8_DTYPE:
+                raise ValueError(f"{name} dtype {w.dtype} needs scales: dense weights must be fp32/fp16/bf16")
+    else:
+        b0, b1 = (int(b) for b in block)
+        if b0 < 1 or b1 < 1:
+            raise ValueError(f"block {tuple(block)} must be positive")
+        if inter % b0:
+            raise ValueError(
+                f"intermediate size {inter} is not a multiple of the block rows {b0}: a scale block of w13 "
+                f"would straddle the gate and up halves"
+            )
+        for name, scale, rows, cols in (
+            ("w13_scale", w13_scale, two_inter, hidden),
+            ("w2_scale", w2_scale, hidden, inter),
+        ):
+            want = (experts, -(-rows // b0), -(-cols // b1))
+            if tuple(scale.shape) != want:
+                raise ValueError(f"{name} shape {tuple(scale.shape)} != {want} for blocks {(b0, b1)}")
+            if not scale.is_floating_point() or scale.dtype == FP8_DTYPE:
+                raise ValueError(f"{name} dtype {scale.dtype} must be fp32")
+        for name, w in (("w13", w13), ("w2", w2)):
+            if w.dtype not in (FP8_DTYPE, torch.float32, torch.float16, torch.bfloat16):
+                raise ValueError(f"{name} dtype {w.dtype} is not float8_e4m3fn (or a float container of fp8 values)")
+    return MoeShape(tokens, hidden, inter, experts, int(topk_ids.shape[1]))
+
+
+# --- torch reference / CPU path ---------------------------------------------------------------------------
+
+
+def _fp8_as_half_times_256(weight: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn values as float16 values 256 times smaller, exactly, by moving bits.
+
+    e4m3 (bias 7) sign/exponent/mantissa bits shifted into float16's (bias 15) fields give
+    value * 2^-8, subnormals included. This vectorizes on CPU where torch's fp8 -> fp32 cast is a scalar
+    loop (about 7x slower at the tiny model's sizes). NaN codes (absent from weights) are not kept."""
+    bits = weight.view(torch.uint8).to(torch.int16)
+    return (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).view(torch.float16)
+
+
+def _dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """[N_e, rows, cols] block-FP8 values and [N_e, ceil(rows/B0), ceil(cols/B1)] scales -> fp32 weights."""
+    n, rows, cols = weight.shape
+    b0, b1 = block
+    scale = scale.float()
+    if weight.dtype == FP8_DTYPE:
+        values, scale = _fp8_as_half_times_256(weight).float(), scale * 256.0
+    else:  # a float container of fp8 values
+        values = weight.float()
+    if rows % b0 == 0 and cols % b1 == 0:
+        tiles = values.view(n, rows // b0, b0, cols // b1, b1)
+        return (tiles * scale[:, :, None, :, None]).view(n, rows, cols)
+    full = scale.repeat_interleave(b0, 1)[:, :rows].repeat_interleave(b1, 2)[:, :, :cols]
+    return values * full
+
+
+def _quantized_activation(a: torch.Tensor, group: int) -> torch.Tensor:
+    """The fp32 values a per-token-group FP8 quantization of `a` stands for."""
+    q, scales = quantize_per_token_group_torch(a, group)
+    cols = a.shape[1]
+    return q.float() * scales.repeat_interleave(group, dim=1)[:, :cols]
+
+
+def _grouped_mm_fits(shape: MoeShape, compute_dtype: torch.dtype) -> bool:
+    """torch._grouped_mm needs every row stride to be a multiple of 16 bytes (H and I here)."""
+    size = torch.empty((), dtype=compute_dtype).element_size()
+    return (shape.hidden * size) % 16 == 0 and (shape.intermediate * size) % 16 == 0
+
+
+def _use_gather_strategy(shape: MoeShape, quantized: bool) -> bool:
+    """Gather each pair's weights when that copies less than the grouped path touches.
+
+    FP8: the grouped path dequantizes all E_local experts; gathering dequantizes one expert per pair.
+    Dense: the grouped path copies no weights, but its sort/offset bookkeeping and per-group GEMM setup
+    dominate for a handful of pairs (see benchmarks/bench_fused_moe.py for the measured crossover)."""
+    if quantized:
+        return 2 * shape.num_pairs <= shape.num_experts
+    return False
+
+
+def fused_moe_torch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+    strategy: str | None = None,
+) -> torch.Tensor:
+    """Loop-free torch fused MoE (see the module docstring); `strategy` ("gather" / "grouped") overrides
+    the shape-based choice, for tests and benchmarks."""
+    shape = check_fused_moe_args(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)
+    block = (int(block[0]), int(block[1]))
+    quantized = w13_scale is not None
+    # FP8: GEMMs run in fp32 on the dequantized values (fp32 accumulation, like the kernel).
+    compute_dtype = torch.float32 if quantized else x.dtype
+    fits = _grouped_mm_fits(shape, compute_dtype)
+    if strategy is None:
+        strategy = "gather" if not fits or _use_gather_strategy(shape, quantized) else "grouped"
+    if strategy not in ("gather", "grouped"):
+        raise ValueError(f"unknown strategy {strategy!r}; expected 'gather' or 'grouped'")
+    if strategy == "grouped" and not fits:
+        raise ValueError(
+            f"the grouped strategy needs H={shape.hidden} and I={shape.intermediate} rows of a multiple of "
+            f"16 bytes in {compute_dtype}; use 'gather'"
+        )
+    tokens, hidden, inter, experts, top_k = (
+        shape.tokens, shape.hidden, shape.intermediate, shape.num_experts, shape.top_k
+    )
+    pairs = shape.num_pairs
+    if pairs == 0:
+        return x.new_zeros(tokens, hidden)
+    device = x.device
+    local = topk_ids.reshape(pairs).long() - first_expert
+    is_local = (local >= 0) & (local < experts)
+    token_of_pair = torch.arange(pairs, device=device) // top_k
+    a = _quantized_activation(x, block[1]) if quantized else x
+
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        h = (F.silu(gate) * up).to(x.dtype)
+        return _quantized_activation(h, block[1]) if quantized else h
+
+    if strategy == "gather":
+        expert = local.clamp(0, experts - 1)
+        w13_p, w2_p = w13[expert], w2[expert]
+        if quantized:
+            w13_p = _dequantize_experts(w13_p, w13_scale[expert], block)
+            w2_p = _dequantize_experts(w2_p, w2_scale[expert], block)
+        else:
+            w13_p, w2_p = w13_p.to(compute_dtype), w2_p.to(compute_dtype)
+        a_p = a[token_of_pair].to(compute_dtype).unsqueeze(-1)  # [P, H, 1]
+        h = silu_mul(torch.bmm(w13_p, a_p).squeeze(-1))
+        y = torch.bmm(w2_p, h.to(compute_dtype).unsqueeze(-1)).squeeze(-1)  # [P, H]
+    else:
+        # Remote pairs get key E and sort after every local segment, past the last offset.
+        key = torch.where(is_local, local, experts)
+        order = torch.sort(key, stable=True).indices
+        counts = torch.zeros(experts + 1, dtype=torch.long, device=device).scatter_add_(0, key, torch.ones_like(key))
+        offsets = torch.cumsum(counts[:experts], 0).to(torch.int32)
+        if quantized:
+            w13_all = _dequantize_experts(w13, w13_scale, block)
+            w2_all = _dequantize_experts(w2, w2_scale, block)
+        else:
+            w13_all, w2_all = w13.to(compute_dtype).contiguous(), w2.to(compute_dtype).contiguous()
+        a_sorted = a[token_of_pair[order]].to(compute_dtype)
+        h = silu_mul(torch._grouped_mm(a_sorted, w13_all.transpose(1, 2), offs=offsets))
+        y_sorted = torch._grouped_mm(h.to(compute_dtype), w2_all.transpose(1, 2), offs=offsets)
+        y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+    weighted = torch.where(is_local[:, None], y.float(), 0.0) * topk_weights.reshape(pairs, 1).float()
+    return weighted.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+
+
+# --- device-side routing prep -----------------------------------------------------------------------------
+
+
+def align_pairs_to_experts(
+    topk_ids: torch.Tensor, first_expert: int, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort (token, slot) pairs by local expert and pad each expert's segment to a multiple of `block_m`.
+
+    Returns (sorted_pair_ids [num_blocks * block_m] int32, block_expert [num_blocks] int32), where pair id
+    p = token * k + slot, padding slots hold the sentinel T*k, and block b belongs to local expert
+    block_expert[b] (-1 past the last segment). num_blocks = ceil((T*k + E*(block_m-1)) / block_m) is a
+    static upper bound, so nothing here depends on device data."""
+    tokens, top_k = topk_ids.shape
+    pairs = tokens * top_k
+    device = topk_ids.device
+    num_blocks = -(-(pairs + num_experts * (block_m - 1)) // block_m)
+    capacity = num_blocks * block_m
+    local = topk_ids.reshape(pairs).long() - first_expert
+    key = torch.where((local >= 0) & (local < num_experts), local, num_experts)
+    sorted_key, order = torch.sort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = torch.cat([padded_end.new_zeros(1), padded_end])  # [E + 1]; entry E = total padded
+    start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(pairs, device=device) - start[sorted_key]
+    # Remote pairs go to one extra dump slot that is cut off below.
+    dest = torch.where(sorted_key < num_experts, padded_start[sorted_key] + rank, capacity)
+    sorted_pair_ids = torch.full((capacity + 1,), pairs, dtype=torch.int32, device=device)
+    sorted_pair_ids.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_pair_ids[:capacity], block_expert
+
+
+# --- Triton -----------------------------------------------------------------------------------------------
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class MoeTileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def choose_tile_config(shape: MoeShape, quant_group: int | None, interpret: bool = False) -> MoeTileConfig:
+    """Tile sizes from shapes only (see the module docstring for the reasoning)."""
+    if quant_group is not None:
+        if quant_group < 16 or quant_group & (quant_group - 1):
+            raise ValueError(f"the Triton fused MoE needs a power-of-two FP8 group >= 16, got {quant_group}")
+        block_k = quant_group
+    else:
+        block_k = 64
+    if interpret:  # fewer, larger programs: the interpreter pays per program, not per FLOP
+        return MoeTileConfig(block_m=16, block_n=64, block_k=block_k if quant_group else 128, num_warps=4, num_stages=1)
+    rows_per_expert = shape.num_pairs / shape.num_experts
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64
+    block_n = 128 if block_m == 64 else 64
+    return MoeTileConfig(block_m=block_m, block_n=block_n, block_k=block_k)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gate_up_kernel(
+        a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_pair_ptr, block_expert_ptr,
+        num_pairs, top_k, H, I, a_groups, w_scale_rows, w_scale_cols,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        QUANT: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """h[pair, n] = silu(x_t . w13[e, n]) * (x_t . w13[e, I + n]) for the pairs of one padded block."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert < 0:
+            return
+        expert = expert.to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_pair_ptr + offs_m)
+        valid_m = pair < num_pairs
+        token = pair // top_k
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid_n = offs_n < I
+        w_base = w_ptr + expert * (2 * I) * H
+        s_base = w_scale_ptr + expert * w_scale_rows * w_scale_cols
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, tl.cdiv(H, BLOCK_K)):
+            offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+            valid_k = offs_k < H
+            a = tl.load(a_ptr + token[:, None] * H + offs_k[None, :], mask=valid_m[:, None] & valid_k[None, :], other=0.0)
+            b_mask = valid_k[:, None] & valid_n[None, :]
+            # [BLOCK_K, BLOCK_N] tiles of W^T for the gate rows n and the up rows I + n.
+            b_gate = tl.load(w_base + offs_n[None, :] * H + offs_k[:, None], mask=b_mask, other=0.0)
+            b_up = tl.load(w_base + (offs_n[None, :] + I) * H + offs_k[:, None], mask=b_mask, other=0.0)
+            if QUANT:
+                a_s = tl.load(a_scale_ptr + token * a_groups + kk, mask=valid_m, other=0.0)
+                s_gate = tl.load(s_base + (offs_n // SCALE_BLOCK_N) * w_scale_cols + kk, mask=valid_n, other=0.0)
+                s_up = tl.load(s_base + ((offs_n + I) // SCALE_BLOCK_N) * w_scale_cols + kk, mask=valid_n, other=0.0)
+                acc_gate += tl.dot(a, b_gate, input_precision=DOT_PRECISION) * a_s[:, None] * s_gate[None, :]
+                acc_up += tl.dot(a, b_up, input_precision=DOT_PRECISION) * a_s[:, None] * s_up[None, :]
+            else:
+                acc_gate += tl.dot(a, b_gate.to(a.dtype), input_precision=DOT_PRECISION)
+                acc_up += tl.dot(a, b_up.to(a.dtype), input_precision=DOT_PRECISION)
+        h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+        out_mask = valid_m[:, None] & valid_n[None, :]
+        tl.store(out_ptr + pair[:, None] * I + offs_n[None, :], h.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def down_kernel(
+        a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_pair_ptr, block_expert_ptr, topk_weight_ptr,
+        num_pairs, H, I, a_groups, w_scale_rows, w_scale_cols,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        QUANT: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """y[pair, n] = topk_weight[pair] * (h_pair . w2[e, n]), stored in fp32."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert < 0:
+            return
+        expert = expert.to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_pair_ptr + offs_m)
+        valid_m = pair < num_pairs
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid_n = offs_n < H
+        w_base = w_ptr + expert * H * I
+        s_base = w_scale_ptr + expert * w_scale_rows * w_scale_cols
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, tl.cdiv(I, BLOCK_K)):
+            offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+            valid_k = offs_k < I
+            a = tl.load(a_ptr + pair[:, None] * I + offs_k[None, :], mask=valid_m[:, None] & valid_k[None, :], other=0.0)
+            b = tl.load(w_base + offs_n[None, :] * I + offs_k[:, None], mask=valid_k[:, None] & valid_n[None, :], other=0.0)
+            if QUANT:
+                a_s = tl.load(a_scale_ptr + pair * a_groups + kk, mask=valid_m, other=0.0)
+                s = tl.load(s_base + (offs_n // SCALE_BLOCK_N) * w_scale_cols + kk, mask=valid_n, other=0.0)
+                acc += tl.dot(a, b, input_precision=DOT_PRECISION) * a_s[:, None] * s[None, :]
+            else:
+                acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION)
+        routed = tl.load(topk_weight_ptr + pair, mask=valid_m, other=0.0)
+        acc = acc * routed[:, None]
+        out_mask = valid_m[:, None] & valid_n[None, :]
+        tl.store(out_ptr + pair[:, None] * H + offs_n[None, :], acc, mask=out_mask)
+
+    return gate_up_kernel, down_kernel
+
+
+def _quantize_for_kernel(a: torch.Tensor, group: int, container: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group FP8 quantization (the reference itself), delivered in the weights' container dtype."""
+    q, scales = quantize_per_token_group_torch(a, group)
+    return (q if container == FP8_DTYPE else q.to(container)), scales
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+    config: MoeTileConfig | None = None,
+) -> torch.Tensor:
+    """The Triton fused MoE (CUDA, or CPU tensors under TRITON_INTERPRET=1); same contract as fused_moe."""
+    import triton
+
+    shape = check_fused_moe_args(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)
+    block = (int(block[0]), int(block[1]))
+    quantized = w13_scale is not None
+    if config is None:
+        config = choose_tile_config(shape, block[1] if quantized else None, _interpreting())
+    if quantized and config.block_k != block[1]:
+        raise ValueError(f"tile block_k {config.block_k} must equal the FP8 group {block[1]}")
+    tokens, hidden, inter, experts, top_k = (
+        shape.tokens, shape.hidden, shape.intermediate, shape.num_experts, shape.top_k
+    )
+    pairs = shape.num_pairs
+    if pairs == 0:
+        return x.new_zeros(tokens, hidden)
+    sorted_pair_ids, block_expert = align_pairs_to_experts(topk_ids, first_expert, experts, config.block_m)
+    num_blocks = block_expert.shape[0]
+    gate_up_kernel, down_kernel = _kernels()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    if quantized:
+        a, a_scale = _quantize_for_kernel(x.contiguous(), block[1], w13.dtype)
+        s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
+    else:
+        a = x.contiguous()
+        a_scale = s13 = s2 = x.new_zeros(1, dtype=torch.float32)  # never read
+    precision = "ieee" if a.dtype == torch.float32 else None
+    common = dict(
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, QUANT=quantized,
+        SCALE_BLOCK_N=block[0], DOT_PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    gate_up_kernel[(triton.cdiv(inter, config.block_n), num_blocks)](
+        a, a_scale, w13, s13, h, sorted_pair_ids, block_expert,
+        pairs, top_k, hidden, inter, a_scale.shape[-1], s13.shape[-2] if quantized else 1,
+        s13.shape[-1] if quantized else 1, **common,
+    )
+    if quantized:
+        # Rows of remote pairs are never written; they are quantized too but never read.
+        h, h_scale = _quantize_for_kernel(h, block[1], w2.dtype)
+    else:
+        h_scale = a_scale
+    weighted = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
+    down_kernel[(triton.cdiv(hidden, config.block_n), num_blocks)](
+        h, h_scale, w2, s2, weighted, sorted_pair_ids, block_expert, topk_weights.float().contiguous(),
+        pairs, hidden, inter, h_scale.shape[-1], s2.shape[-2] if quantized else 1,
+        s2.shape[-1] if quantized else 1, **common,
+    )
+    return weighted.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+
+
+# --- the op callers use -----------------------------------------------------------------------------------
+
+
+def _use_triton(x: torch.Tensor, w13: torch.Tensor, quantized: bool) -> bool:
+    if not (x.is_cuda and triton_available()):
+        return False
+    if quantized:
+        return w13.dtype == FP8_DTYPE and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return True
+
+
+@torch.library.custom_op("kserve::fused_moe", mutates_args=())
+def _fused_moe_op(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+) -> torch.Tensor:
+    block = (block_n, block_k)
+    args = (x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)
+    if _use_triton(x, w13, w13_scale is not None):
+        return fused_moe_triton(*args)
+    return fused_moe_torch(*args)
+
+
+@_fused_moe_op.register_fake
+def _(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block_n, block_k):
+    check_fused_moe_args(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, (block_n, block_k))
+    return x.new_empty(x.shape)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+) -> torch.Tensor:
+    """x [T, H] -> [T, H] in x.dtype (see the module docstring). Triton on CUDA, the torch path otherwise."""
+    check_fused_moe_args(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)
+    return torch.ops.kserve.fused_moe(
+        x, w13, w2, topk_weights, topk_ids, int(first_expert), w13_scale, w2_scale, int(block[0]), int(block[1])
+    )
