@@ -373,3 +373,25 @@ def test_auth_and_readiness_errors_through_the_app_are_anthropic_shaped():
         # the OpenAI endpoints keep their own shape (and bearer auth)
         openai_denied = http.post("/v1/chat/completions", json=body, headers={"x-api-key": "sekrit"})
         assert openai_denied.status_code == 401 and openai_denied.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_a_coding_agent_shaped_request_streams(server, ctx):
+    """The shape Claude Code sends: system blocks with cache_control, draft-07 tool schemas, metadata, thinking,
+    temperature 1, beta headers and query, streaming."""
+    tool = {"name": "Read", "description": "Read a file",
+            "input_schema": {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                             "properties": {"file_path": {"type": "string"}}, "required": ["file_path"],
+                             "additionalProperties": False}}
+    body = {"model": ctx.model_name, "max_tokens": 6, "stream": True, "temperature": 1,
+            "system": [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Read main.py",
+                                                       "cache_control": {"type": "ephemeral"}}]}],
+            "tools": [tool], "metadata": {"user_id": "user_abc"}, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    headers = {"x-api-key": "unused", "anthropic-version": "2023-06-01",
+               "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"}
+    with httpx.stream("POST", server.base_url + "/v1/messages?beta=true", json=body, headers=headers,
+                      timeout=120) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        names = [line[7:] for line in resp.iter_lines() if line.startswith("event: ")]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    assert names.count("content_block_start") == names.count("content_block_stop")
