@@ -167,6 +167,7 @@ class Cluster:
     tmp: Path
     model_dir: Path
     tp: int
+    nnodes: int = 2
     http_port: int = field(default_factory=_free_port)
     master_port: int = field(default_factory=_free_port)
     nodes: list[Node] = field(default_factory=list)
@@ -177,10 +178,11 @@ class Cluster:
 
     def start(self) -> "Cluster":
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        for node_rank in (0, 1):
-            cmd = [sys.executable, "-m", "kserve.cli", "serve", str(self.model_dir), "--tp", str(self.tp),
-                   "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
-                   "--master-port", str(self.master_port), "--port", str(self.http_port), "--device", "cpu",
+        for node_rank in range(self.nnodes):
+            nodes = ["--nnodes", str(self.nnodes), "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
+                     "--master-port", str(self.master_port)] if self.nnodes > 1 else []
+            cmd = [sys.executable, "-m", "kserve.cli", "serve", str(self.model_dir), "--tp", str(self.tp), *nodes,
+                   "--port", str(self.http_port), "--device", "cpu",
                    "--dtype", "float32", "--num-kv-blocks", "64", "--skip-self-check", "--dist-timeout", "60",
                    "--served-model-name", "x"]
             if node_rank:
@@ -231,8 +233,8 @@ class Cluster:
 def make_cluster(tmp_path, tiny_k2_dir):
     clusters: list[Cluster] = []
 
-    def make(tp: int) -> Cluster:
-        cluster = Cluster(tmp_path, tiny_k2_dir, tp)
+    def make(tp: int, nnodes: int = 2) -> Cluster:
+        cluster = Cluster(tmp_path, tiny_k2_dir, tp, nnodes)
         clusters.append(cluster)
         return cluster.start()
 
@@ -351,3 +353,22 @@ def test_two_nodes_two_ranks_each_and_the_head_dies(make_cluster, single_process
     codes = cluster.wait_all_exit(EXIT_TIMEOUT_S)  # node 1's kserve process and its spawned rank 3
     assert codes["node1"] != 0, cluster.nodes[1].tail()
     assert "rank 2 stops" in cluster.nodes[1].log.read_text(errors="replace")
+
+
+def test_sigterm_drains_the_stream_in_flight_then_stops_every_rank(make_cluster) -> None:
+    cluster = make_cluster(tp=2, nnodes=1)  # one node: the kserve process (rank 0) and its spawned rank 1
+    events: list[str] = []
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=60, json={
+            "model": "x", "prompt": [5, 6, 7], "max_tokens": 8, "stream": True, "ignore_eos": True}) as stream:
+        assert stream.status_code == 200
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                if not events:
+                    cluster.nodes[0].proc.send_signal(signal.SIGTERM)
+                events.append(line)
+    assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events), events[-3:]
+    codes = cluster.wait_all_exit(EXIT_TIMEOUT_S)
+    # uvicorn re-raises the SIGTERM once its graceful shutdown is done: 0 or -SIGTERM, after a clean stop
+    assert codes["node0"] in (0, -signal.SIGTERM), cluster.nodes[0].tail()
+    log = cluster.nodes[0].log.read_text(errors="replace")
+    assert "Application shutdown complete" in log and "rank 1: rank 0 shut the engine down" in log, log[-2000:]

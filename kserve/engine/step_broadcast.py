@@ -20,6 +20,7 @@ The tensors live on `device` (CPU for a gloo group, the rank's GPU for an NCCL g
 from __future__ import annotations
 
 import enum
+import itertools
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +62,7 @@ def pack_step(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
                          f"({len(tables)}) must match query_lens ({num_seqs})")
     table_lens = [len(t) for t in tables]
     num_entries = sum(table_lens)
-    flat_tables = np.fromiter((b for t in tables for b in t), dtype=np.int64, count=num_entries)
+    flat_tables = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=num_entries)
     parts = [
         np.asarray(inputs.input_ids, dtype=np.int64),
         np.asarray(inputs.positions, dtype=np.int64),

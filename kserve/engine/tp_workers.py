@@ -120,6 +120,7 @@ def run_worker_rank(layout: RankLayout, rank: int, model_dir: str, device: str, 
                 runner = ModelRunner(model, model.config, num_blocks, block_size, dev, dtype, **options)
                 store.set(_READY_KEY.format(rank=rank), "ok")
             else:  # SHUTDOWN
+                logger.info("tensor-parallel rank %d: rank 0 shut the engine down; exiting", rank)
                 _destroy_groups()
                 return 0
     except BaseException as exc:  # noqa: BLE001 -- reported to rank 0 where possible, then exit non-zero
