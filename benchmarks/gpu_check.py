@@ -1084,6 +1084,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.dry_run and not torch.cuda.is_available():
         p.error("no CUDA device: run with --dry-run to exercise the script on the CPU")
+    if args.dry_run:
+        # CPU figures mean nothing here; one intra-op thread avoids stalls on a shared, busy CPU.
+        torch.set_num_threads(1)
     plan = Plan.dry() if args.dry_run else Plan.gpu()
     report = run(plan, Path(args.out), stages)
     failed = [n for n, s in report["stages"].items() if s["status"] in ("fail", "error")]
