@@ -114,7 +114,7 @@ class Plan:
             mla_batches=[1, 64, 256], mla_contexts=[4096, 32768], mla_correct_lens=[1, 700, 4096, 2500],
             prefill_heads=8, prefill_lens=[(1000, 1000), (3000, 3000), (500, 2500)],
             decode_batches=[1, 64, 256], decode_context=2048, decode_layers=4,
-            serve_concurrency=[1, 16], serve_prompts=32, serve_output_len=64, serve_input_len=64,
+            serve_concurrency=[1, 16], serve_prompts=16, serve_output_len=32, serve_input_len=64,
             serve_startup_timeout_s=120, rotate_bytes=256 << 20,
         )
 
