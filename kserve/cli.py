@@ -62,6 +62,8 @@ def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variant", choices=["k2", "v3"], default="k2")
+    p.add_argument("--geometry", choices=["k2", "small"], default="k2",
+                   help="attention widths: K2's (qk_nope 128, rope 64, v 128, kv_lora 512) or the older small ones")
 
 
 def _add_render(sub: argparse._SubParsersAction) -> None:
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "make-tiny":
         from kserve.tiny_checkpoint import write_tiny_checkpoint
 
-        path = write_tiny_checkpoint(args.dir, seed=args.seed, variant=args.variant)
+        path = write_tiny_checkpoint(args.dir, seed=args.seed, variant=args.variant, geometry=args.geometry)
         print(path)
         return 0
     if args.command == "render":

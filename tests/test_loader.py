@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kserve.config import ModelConfig
 from kserve.distributed import ParallelState
 from kserve.model import CheckpointError, load_model
 
@@ -58,7 +59,9 @@ def test_wrong_shape_names_tensor_file_and_shapes(tiny_k2_dir, tmp_path):
     d = copy_dir(tiny_k2_dir, tmp_path / "m")
     name = "model.layers.0.self_attn.kv_b_proj.weight"
     file = edit_shard(d, name, lambda t: t.__setitem__(name, t[name][:-1].contiguous()))
-    with pytest.raises(CheckpointError, match=rf"kv_b_proj\.weight.*{file}.*shape \[511, 128\], expected \[512, 128\]"):
+    c = ModelConfig.from_model_dir(d)
+    rows, cols = c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank
+    with pytest.raises(CheckpointError, match=rf"kv_b_proj\.weight.*{file}.*shape \[{rows - 1}, {cols}\], expected \[{rows}, {cols}\]"):
         load_model(d)
 
 
@@ -75,8 +78,12 @@ def test_wrong_scale_shape_is_reported(tiny_k2_dir, tmp_path):
     d = copy_dir(tiny_k2_dir, tmp_path / "m")
     scale = KV_A + "_scale_inv"
     edit_shard(d, scale, lambda t: t.__setitem__(scale, t[scale][:1].contiguous()))
-    # the ragged block: 160 rows -> 2 scale rows
-    with pytest.raises(CheckpointError, match=r"kv_a_proj_with_mqa\.weight_scale_inv.*shape \[1, 2\], expected \[2, 2\]"):
+    # kv_a_proj_with_mqa's rows (kv_lora_rank + rope: 576 as in K2) end in a ragged block
+    c = ModelConfig.from_model_dir(d)
+    want = [-(-c.kv_cache_dim // 128), -(-c.hidden_size // 128)]
+    with pytest.raises(
+        CheckpointError, match=rf"kv_a_proj_with_mqa\.weight_scale_inv.*shape \[1, {want[1]}\], expected \[{want[0]}, {want[1]}\]"
+    ):
         load_model(d)
 
 

@@ -3,6 +3,8 @@
 import base64
 import hashlib
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -58,6 +60,9 @@ def test_layout_matches_k2(tiny_k2_dir):
     assert cfg.n_routed_experts >= 16 and cfg.num_experts_per_tok == 4 and cfg.n_shared_experts == 1
     assert not cfg.is_moe_layer(0) and cfg.is_moe_layer(1)
     assert cfg.kv_cache_dim % 128 != 0  # kv_a_proj_with_mqa has a ragged FP8 block, like K2's 576
+    # K2's per-head widths, so kernels and caches are tested at the geometry they run at
+    assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank) == (128, 64, 128, 512)
+    assert cfg.kv_cache_dim == 576
 
     quantized = [n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
     for n in quantized:
@@ -165,7 +170,24 @@ def test_ensure_embedded_model_builds_once_under_concurrency(tmp_path, monkeypat
     assert not errors
     assert len(set(results)) == 1
     path = results[0]
-    assert path == tmp_path / "cache" / "tiny-k2-v1"
+    assert path == tmp_path / "cache" / "tiny-k2-v2"
     assert digests(path) == digests(tiny_k2_dir)
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny-k2-v1"]  # no temp dirs left behind
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny-k2-v2"]  # no temp dirs left behind
     assert ensure_embedded_model() == path
+
+
+def test_small_geometry_is_kept_behind_a_flag(tmp_path):
+    from kserve.model import ForwardBatch, load_model
+
+    d = tmp_path / "small"
+    subprocess.run(
+        [sys.executable, "-m", "kserve.cli", "make-tiny", str(d), "--geometry", "small"], check=True, capture_output=True
+    )
+    cfg = ModelConfig.from_model_dir(d)
+    assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank) == (32, 32, 32, 128)
+    model = load_model(d)
+    cache = torch.zeros(cfg.num_hidden_layers, 2, 16, cfg.kv_cache_dim)
+    logits = model.compute_logits(model(torch.arange(5, 12), ForwardBatch.contiguous([7], [7], 16), cache))
+    assert logits.shape == (7, cfg.vocab_size) and torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="geometry 'wide'"):
+        write_tiny_checkpoint(tmp_path / "bad", geometry="wide")

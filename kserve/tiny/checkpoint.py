@@ -1,0 +1,188 @@
+"""A tiny random Kimi K2 checkpoint in Moonshot's published layout: config.json, generation_config.json,
+FP8 safetensors shards with their index, and the tokenizer files. The same seed gives byte-identical files.
+
+Geometry: by default ("k2") the attention keeps K2's per-head widths (qk_nope 128, qk_rope 64,
+v_head 128, kv_lora_rank 512, so a latent-cache row is 576 values, a ragged FP8 block in
+kv_a_proj_with_mqa as in K2) with 8 heads, 4 layers and 16 experts, so kernels and caches are tested
+at the widths they run at. "small" keeps the earlier 32/32/32/128 widths for speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from kserve.tiny.bpe import BASE_VOCAB, learn_bpe_ranks
+from kserve.tiny.tokenizer_files import (
+    NUM_SPECIAL,
+    special_token_id,
+    tiktoken_model_text,
+    tokenizer_config,
+)
+
+VARIANTS = ("k2", "v3")
+GEOMETRIES: dict[str, dict[str, int]] = {
+    "k2": {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "kv_lora_rank": 512},
+    "small": {"qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32, "kv_lora_rank": 128},
+}
+
+
+def tiny_config(variant: str = "k2", geometry: str = "k2") -> dict[str, Any]:
+    """config.json with K2's keys and tiny sizes. `v3` uses group-limited routing like DeepSeek-V3;
+    `geometry` picks the attention widths (GEOMETRIES)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown tiny variant {variant!r}; expected one of {VARIANTS}")
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"unknown tiny geometry {geometry!r}; expected one of {tuple(GEOMETRIES)}")
+    cfg: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "aux_loss_alpha": 0.001,
+        "bos_token_id": special_token_id(163584),
+        "eos_token_id": special_token_id(163585),
+        "first_k_dense_replace": 1,
+        "hidden_act": "silu",
+        "hidden_size": 256,
+        "initializer_range": 0.02,
+        "intermediate_size": 512,
+        "max_position_embeddings": 8192,
+        "model_type": "kimi_k2",
+        "moe_intermediate_size": 128,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "n_routed_experts": 16,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 8,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 8,
+        "num_nextn_predict_layers": 0,
+        "pretraining_tp": 1,
+        "q_lora_rank": 192,
+        "quantization_config": {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+        },
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 256,
+            "type": "yarn",
+        },
+        "rope_theta": 50000.0,
+        "routed_scaling_factor": 2.827,
+        "scoring_func": "sigmoid",
+        "seq_aux": True,
+        "tie_word_embeddings": False,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.48.3",
+        "use_cache": True,
+        "vocab_size": BASE_VOCAB + NUM_SPECIAL,
+    }
+    # kv_a_proj_with_mqa's output, kv_lora_rank + qk_rope_head_dim (576 or 160), ends in a ragged FP8 block
+    cfg.update(GEOMETRIES[geometry])
+    if variant == "v3":
+        cfg.update(model_type="deepseek_v3", n_group=4, topk_group=2, routed_scaling_factor=2.5, rope_theta=10000.0,
+                   max_position_embeddings=10240)  # = factor x original, as transformers expects
+        cfg["rope_scaling"] = dict(cfg["rope_scaling"], beta_fast=32.0, factor=40.0)
+    return cfg
+
+
+def _random_weights(config_dict: dict[str, Any], seed: int) -> dict[str, Any]:
+    """Checkpoint tensors (FP8 + scales, bf16, fp32) drawn from `seed`, in checkpoint order."""
+    import torch
+
+    from kserve.config import ModelConfig
+    from kserve.kernels.fp8_dequant import quantize_blocks_torch
+    from kserve.model.weights_layout import BF16, FP8, checkpoint_tensors
+
+    config = ModelConfig.from_dict(config_dict)
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for spec in checkpoint_tensors(config):
+        name, shape = spec.name, spec.shape
+        noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+        if name.endswith("e_score_correction_bias"):
+            out[name] = (0.05 * noise).float()
+        elif len(shape) == 1:  # norms
+            out[name] = (1.0 + 0.1 * noise).to(torch.bfloat16)
+        elif name == "model.embed_tokens.weight":
+            out[name] = noise.to(torch.bfloat16)
+        elif name == "lm_head.weight":
+            out[name] = (noise * (3.0 / shape[1] ** 0.5)).to(torch.bfloat16)
+        else:
+            w = noise / shape[1] ** 0.5
+            if spec.kind == FP8:
+                q, scale = quantize_blocks_torch(w, tuple(config.quantization_config.weight_block_size))
+                out[name] = q
+                out[spec.scale_name] = scale
+            else:
+                out[name] = w.to(torch.bfloat16 if spec.kind == BF16 else torch.float32)
+    return out
+
+
+def _shard_of(name: str, num_layers: int) -> int:
+    """Shard 1: embeddings and the first half of the layers; shard 2: the rest, norm and lm_head."""
+    from kserve.model.weights_layout import layer_index
+
+    if name == "model.embed_tokens.weight":
+        return 1
+    idx = layer_index(name)
+    return 1 if idx is not None and idx < num_layers // 2 else 2
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_tiny_checkpoint(
+    dir: str | os.PathLike,
+    seed: int = 0,
+    variant: str = "k2",
+    config_overrides: dict[str, Any] | None = None,
+    geometry: str = "k2",
+) -> Path:
+    """Write a complete tiny model directory; returns its path.
+
+    `config_overrides` replaces config.json keys (sizes), e.g. for a larger model in benchmarks.
+    """
+    from safetensors.torch import save_file
+
+    out_dir = Path(dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {**tiny_config(variant, geometry), **(config_overrides or {})}
+    tensors = _random_weights(cfg, seed)
+    num_shards = 2
+    shards: dict[int, dict[str, Any]] = {i: {} for i in range(1, num_shards + 1)}
+    for name, t in tensors.items():
+        base = name.removesuffix("_scale_inv")
+        shards[_shard_of(base, cfg["num_hidden_layers"])][name] = t
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in shards.items():
+        file = f"model-{i}-of-{num_shards}.safetensors"
+        save_file(shard, str(out_dir / file), metadata={"format": "pt"})
+        os.chmod(out_dir / file, 0o644)  # safetensors writes through a private temp file
+        for name, t in shard.items():
+            weight_map[name] = file
+            total += t.numel() * t.element_size()
+    _write_json(out_dir / "model.safetensors.index.json",
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    _write_json(out_dir / "config.json", dict(sorted(cfg.items())))
+    _write_json(out_dir / "generation_config.json",
+                {"max_length": cfg["max_position_embeddings"], "eos_token_id": special_token_id(163586)})
+    (out_dir / "tiktoken.model").write_text(tiktoken_model_text(learn_bpe_ranks()), encoding="ascii")
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config())
+    return out_dir
