@@ -156,3 +156,40 @@ def test_engine_death_mid_stream_is_503_in_band_health_503_and_logged_with_the_r
     finally:
         logging.getLogger("kserve").removeHandler(lines)
         srv.stop()
+
+
+def test_completions_merge_keeps_only_the_latest_snapshot_for_a_slow_reader():
+    import asyncio
+    from types import SimpleNamespace
+
+    from kserve.engine.outputs import CompletionOutput, RequestOutput
+    from kserve.server.serving_completion import PreparedCompletion, PreparedPrompt, _merged
+
+    steps = 200
+
+    class FastEngine:
+        async def generate(self, request_id, prompt_ids, params):
+            for step in range(1, steps + 1):
+                await asyncio.sleep(0)
+                done = step == steps
+                yield RequestOutput(request_id, None, prompt_ids,
+                                    [CompletionOutput(0, "x" * step, [1] * step, None, "length" if done else None)],
+                                    finished=done)
+
+        async def abort(self, request_id):
+            raise AssertionError("nothing is left unfinished")
+
+    ctx = SimpleNamespace(engine=FastEngine(), abort=FastEngine().abort)
+    prep = PreparedCompletion("cmpl-x", None, [PreparedPrompt(f"cmpl-x-{i}", [5], "p", None) for i in range(2)])
+
+    async def slow_reader():
+        got = []
+        async for i, out in _merged(ctx, prep):
+            got.append((i, out))
+            await asyncio.sleep(0.01)  # a slow client
+        return got
+
+    got = asyncio.run(slow_reader())
+    assert len(got) < steps // 4, len(got)  # not one queued snapshot per engine step
+    finals = {i: out for i, out in got if out.finished}
+    assert set(finals) == {0, 1} and all(out.outputs[0].text == "x" * steps for out in finals.values())

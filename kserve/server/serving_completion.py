@@ -109,32 +109,44 @@ def _usage(prep: PreparedCompletion, finals: list[Any]) -> UsageInfo:
 
 
 async def _merged(ctx: ServingContext, prep: PreparedCompletion) -> AsyncIterator[tuple[int, Any]]:
-    """(prompt index, snapshot) from all prompts' generations, as they arrive."""
-    queue: asyncio.Queue = asyncio.Queue()
+    """(prompt index, snapshot) from all prompts' generations, as they arrive.
+
+    Snapshots are cumulative, so only each prompt's latest is kept until the reader takes it: a slow
+    reader (a slow client) holds one snapshot per prompt, never a queue of them.
+    """
+    latest: dict[int, Any] = {}
+    errors: list[BaseException] = []
+    wake = asyncio.Event()
+    live = len(prep.prompts)
 
     async def pump(i: int, p: PreparedPrompt) -> None:
+        nonlocal live
         try:
             async for out in ctx.engine.generate(p.request_id, p.prompt_ids, p.params):
-                await queue.put((i, out, None))
+                latest[i] = out
+                wake.set()
         except Exception as exc:  # surfaced to the consumer
-            await queue.put((i, None, exc))
+            errors.append(exc)
         finally:
-            await queue.put((i, None, None))
+            live -= 1
+            wake.set()
 
     tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prep.prompts)]
-    live = len(tasks)
     finished: set[int] = set()
     try:
-        while live:
-            i, out, exc = await queue.get()
-            if exc is not None:
-                raise exc
-            if out is None:
-                live -= 1
-                continue
-            if out.finished:
-                finished.add(i)
-            yield i, out
+        while True:
+            await wake.wait()
+            wake.clear()
+            if errors:
+                raise errors[0]
+            ready = sorted(latest.items(), key=lambda item: item[0])
+            latest.clear()
+            for i, out in ready:
+                if out.finished:
+                    finished.add(i)
+                yield i, out
+            if live == 0 and not latest:
+                return
     finally:
         for task in tasks:
             task.cancel()
