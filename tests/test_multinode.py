@@ -168,6 +168,7 @@ class Cluster:
     model_dir: Path
     tp: int
     nnodes: int = 2
+    torchrun: bool = False  # one `torchrun --standalone` launching tp processes instead of kserve's own spawning
     http_port: int = field(default_factory=_free_port)
     master_port: int = field(default_factory=_free_port)
     nodes: list[Node] = field(default_factory=list)
@@ -187,6 +188,10 @@ class Cluster:
                    "--served-model-name", "x"]
             if node_rank:
                 cmd.append("--headless")
+            if self.torchrun:
+                launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                            str(self.tp), "-m"]
+                cmd = launcher + cmd[2:]
             log = self.tmp / f"node{node_rank}-tp{self.tp}.log"
             proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
@@ -233,8 +238,8 @@ class Cluster:
 def make_cluster(tmp_path, tiny_k2_dir):
     clusters: list[Cluster] = []
 
-    def make(tp: int, nnodes: int = 2) -> Cluster:
-        cluster = Cluster(tmp_path, tiny_k2_dir, tp, nnodes)
+    def make(tp: int, nnodes: int = 2, torchrun: bool = False) -> Cluster:
+        cluster = Cluster(tmp_path, tiny_k2_dir, tp, nnodes, torchrun)
         clusters.append(cluster)
         return cluster.start()
 
@@ -372,3 +377,13 @@ def test_sigterm_drains_the_stream_in_flight_then_stops_every_rank(make_cluster)
     assert codes["node0"] in (0, -signal.SIGTERM), cluster.nodes[0].tail()
     log = cluster.nodes[0].log.read_text(errors="replace")
     assert "Application shutdown complete" in log and "rank 1: rank 0 shut the engine down" in log, log[-2000:]
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_come_from_its_environment(make_cluster, single_process_texts) -> None:
+    cluster = make_cluster(tp=2, nnodes=1, torchrun=True)  # torchrun's RANK 0 serves, RANK 1 is headless
+    assert _greedy_texts(cluster) == single_process_texts
+    log = cluster.nodes[0].log.read_text(errors="replace")
+    assert "kserve headless node 0: ranks 1..1 of 2" in log, log[-2000:]
+    cluster.nodes[0].proc.send_signal(signal.SIGTERM)  # torchrun passes it on to both ranks
+    cluster.wait_all_exit(EXIT_TIMEOUT_S)

@@ -209,6 +209,8 @@ def run_headless_node(layout: RankLayout, model_dir: str | Path, device: str | t
     local = _LocalRanks(layout, str(model_dir), torch.device(device), dtype)
 
     def lost(rank: int, code: int | None) -> None:
+        if code == 0:  # a rank exits 0 only on rank 0's SHUTDOWN, which this process's rank got too
+            return
         logger.error("local rank %d exited with code %s; this node stops", rank, code)
         local.stop(0)
         os._exit(1)

@@ -88,9 +88,9 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     if layout is not None and layout.this_rank != 0:
         _configure_logging(args.log_level)
+        local = layout.spawned_ranks or [layout.this_rank]
         logger.info("kserve headless node %d: ranks %d..%d of %d, rank 0 at %s:%s", layout.node_rank,
-                    layout.first_rank, layout.first_rank + layout.ranks_per_node - 1, layout.world_size,
-                    layout.master_addr, layout.master_port)
+                    layout.this_rank, local[-1], layout.world_size, layout.master_addr, layout.master_port)
         return run_headless(layout, args.model_dir, args.device, args.dtype)
     settings = settings_from_args(args)
     if layout is not None:
