@@ -361,7 +361,7 @@ def test_two_nodes_two_ranks_each_and_the_head_dies(make_cluster, single_process
 
 
 def test_sigterm_drains_the_stream_in_flight_then_stops_every_rank(make_cluster) -> None:
-    cluster = make_cluster(tp=2, nnodes=1)  # one node: the kserve process (rank 0) and its spawned rank 1
+    cluster = make_cluster(tp=2)  # the head (rank 0) and a headless node (rank 1)
     events: list[str] = []
     with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=60, json={
             "model": "x", "prompt": [5, 6, 7], "max_tokens": 8, "stream": True, "ignore_eos": True}) as stream:
@@ -376,7 +376,9 @@ def test_sigterm_drains_the_stream_in_flight_then_stops_every_rank(make_cluster)
     # uvicorn re-raises the SIGTERM once its graceful shutdown is done: 0 or -SIGTERM, after a clean stop
     assert codes["node0"] in (0, -signal.SIGTERM), cluster.nodes[0].tail()
     log = cluster.nodes[0].log.read_text(errors="replace")
-    assert "Application shutdown complete" in log and "rank 1: rank 0 shut the engine down" in log, log[-2000:]
+    assert "Application shutdown complete" in log, log[-2000:]
+    assert codes["node1"] == 0, cluster.nodes[1].tail()  # it got rank 0's SHUTDOWN
+    assert "rank 1: rank 0 shut the engine down" in cluster.nodes[1].log.read_text(errors="replace")
 
 
 @pytest.mark.slow
