@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness_server import ServerProcess  # noqa: E402
+from harness_server import ServerProcess
 
 HEALTH_DEADLINE_S = 5.0
 EXIT_DEADLINE_S = 30.0

@@ -93,7 +93,7 @@ class ServerProcess:
         if self.log is not subprocess.DEVNULL:
             self.log.close()
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> ServerProcess:  # noqa: PYI034 -- not subclassed
         self.wait_ready()
         return self
 

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness_server import ServerProcess, metric, rss_bytes  # noqa: E402
+from harness_server import ServerProcess, metric, rss_bytes
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather for a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

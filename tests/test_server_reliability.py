@@ -163,7 +163,11 @@ def test_completions_merge_keeps_only_the_latest_snapshot_for_a_slow_reader():
     from types import SimpleNamespace
 
     from kserve.engine.outputs import CompletionOutput, RequestOutput
-    from kserve.server.serving_completion import PreparedCompletion, PreparedPrompt, _merged
+    from kserve.server.serving_completion import (
+        PreparedCompletion,
+        PreparedPrompt,
+        _merged,
+    )
 
     steps = 200
 

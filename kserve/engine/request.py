@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from kserve.engine.outputs import CompletionDelta, CompletionOutput, RequestDelta, RequestOutput
+from kserve.engine.outputs import (
+    CompletionDelta,
+    CompletionOutput,
+    RequestDelta,
+    RequestOutput,
+)
 from kserve.engine.sampling_params import SamplingParams
 from kserve.engine.sequence import Sequence, SequenceStatus
 

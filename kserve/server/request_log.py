@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Any, Callable
+from typing import Any
 
 REQUEST_ID: ContextVar[str] = ContextVar("kserve_request_id", default="-")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"

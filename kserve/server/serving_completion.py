@@ -10,11 +10,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from kserve.engine.errors import PromptRejected
-from kserve.server.context import DisconnectWatch, ServingContext, engine_refused, new_request_id
+from kserve.server.context import (
+    DisconnectWatch,
+    ServingContext,
+    engine_refused,
+    new_request_id,
+)
 from kserve.server.errors import APIError, bad_request, stream_failure
 from kserve.server.logprobs import completion_logprobs
 from kserve.server.outcome import client_gone, finish_reason, unfinished, usage_info
@@ -125,7 +131,7 @@ async def _merged(ctx: ServingContext, prep: PreparedCompletion) -> AsyncIterato
             async for out in ctx.engine.generate(p.request_id, p.prompt_ids, p.params):
                 latest[i] = out
                 wake.set()
-        except Exception as exc:  # surfaced to the consumer
+        except Exception as exc:  # noqa: BLE001 -- surfaced to the consumer
             errors.append(exc)
         finally:
             live -= 1
