@@ -23,14 +23,22 @@ Paths
     per expert segment from device-side offsets (it works on CPU in torch 2.13 for fp32/bf16/fp16;
     rows past the last offset come back uninitialized and are masked out). FP8 weights are dequantized
     whole once per call, which is what the per-expert loop ends up doing when every expert is hit.
-- `fused_moe_triton`: `align_pairs_to_experts` (torch ops, static sizes) sorts the pairs by local expert
-  and pads every expert's segment to BLOCK_M (vLLM's moe_align_block_size idea); padding and remote
-  pairs carry the sentinel id T*k, blocks past the last segment carry expert -1 and exit at once. Kernel 1
-  is a grouped GEMM over sorted pairs computing the gate and up tiles of the same columns side by side
-  and storing silu(gate) * up; kernel 2 is the down GEMM with the routing weight applied in the epilogue,
-  written per pair into a zeroed fp32 [T*k, H] buffer that torch sums over k. FP8 weight blocks are
-  scaled in-kernel once per K step (BLOCK_K = B1, so one activation group and one weight block per
-  step; the fp8 partial product is promoted to fp32 before scaling, never accumulated in fp8).
+- `fused_moe_triton` (kernels in fused_moe_triton_kernels.py): `align_pairs_to_experts` (torch ops,
+  static sizes) sorts the pairs by local expert and pads every expert's segment to BLOCK_M (vLLM's
+  moe_align_block_size idea); padding and remote pairs carry the sentinel id T*k, blocks past the last
+  segment carry expert -1 and exit at once. Kernel 1 is a grouped GEMM over sorted pairs computing the
+  gate and up tiles of the same columns side by side and storing silu(gate) * up; kernel 2 is the down
+  GEMM with the routing weight applied in the epilogue, written per pair into a zeroed fp32 [T*k, H]
+  buffer that torch sums over k. FP8 weight blocks are scaled in-kernel once per K step (BLOCK_K = B1:
+  one activation group and one weight block per step; the fp8 partial product is promoted to fp32 before
+  scaling, never accumulated in fp8). With FP8, kernel 1 also does both activation quantizations: each
+  [BLOCK_M, 128] tile of x it loads is one group per row, and its [BLOCK_M, 128] tile of h (BLOCK_N =
+  the group) is one group of h per row, quantized in the epilogue and stored as fp8 plus scales. The
+  rounding is done in fp32/integer arithmetic (round-half-even onto the e4m3 grid, div_rn) so it equals
+  quantize_per_token_group_torch bit for bit, on the GPU and in the interpreter alike; this saves the
+  launches of two separate quantization passes (about 16 small kernels a layer). `fuse_quant=False`
+  keeps those passes (the torch reference between the kernels), which the tests use to prove the
+  fused rounding exact.
 - `torch.ops.kserve.fused_moe` / `fused_moe`: what the model calls. Triton on CUDA (sm89+ when the
   weights are fp8), the torch path otherwise; `register_fake` makes it traceable with no host reads.
 
@@ -41,16 +49,23 @@ hit expert's weights once (3 * I * H bytes = 42 MiB per expert in fp8, 2 GiB for
   * BLOCK_M from rows per local expert, estimated as T*k / E_local (an upper bound under expert
     parallelism): 16 (tl.dot's minimum) up to 64. A larger BLOCK_M than needed only costs idle MMA rows,
     while a too-small one re-reads the expert's weights once per extra block.
-  * BLOCK_K = 128 (the FP8 group), BLOCK_N = 64 for small M so that one hit expert still spreads over
-    I/64 = 32 (kernel 1) and H/64 = 112 (kernel 2) programs, 128 once BLOCK_M reaches 64.
-  * num_warps 4, num_stages 3: per stage kernel 1 holds A [BM, 128] + two B [128, BN] tiles, 24 KiB in
-    fp8 at BM=BN=64, well inside the H200's shared memory.
+  * BLOCK_K = 128 (the FP8 group). Kernel 1's BLOCK_N is the group (128) with FP8, so that its h tile
+    is one quantization group; a hit expert then spreads over I/128 = 16 programs per block. At T=1 a
+    rank holds about one of the 8 pairs, so kernel 1 runs on ~16 of 132 SMs: a 64-wide tile would
+    quadruple that but needs the separate quantization pass back (~16 launches, more than the ~10 us an
+    expert's weights take to read). To measure on hardware; split-K for kernel 1 at tiny T is the
+    likelier fix. Kernel 2 uses BLOCK_N = 64 for small M, so one hit
+    expert spreads over H/64 = 112 programs, and 128 once BLOCK_M reaches 64. Dense weights use
+    BLOCK_K = 64 and BLOCK_N = 64/128 in both kernels.
+  * num_warps 4, num_stages 3: per stage kernel 1 holds A [BM, 128] + two B [128, 128] tiles, 40 KiB in
+    fp8 at BM=64 (120 KiB for 3 stages), inside the H200's 228 KiB of shared memory per SM.
   The static block count, ceil((T*k + E_local*(BLOCK_M-1)) / BLOCK_M), is what makes the launch
   CUDA-graph-capturable; at T=1 most of those programs read one int and return.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -58,7 +73,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kserve.kernels.fp8_quant import FP8_DTYPE, num_groups, quantize_per_token_group_torch
+from kserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, num_groups, quantize_per_token_group_torch
 
 DEFAULT_BLOCK = (128, 128)
 
@@ -156,7 +171,8 @@ def _fp8_as_half_times_256(weight: torch.Tensor) -> torch.Tensor:
     value * 2^-8, subnormals included. This vectorizes on CPU where torch's fp8 -> fp32 cast is a scalar
     loop (about 7x slower at the tiny model's sizes). NaN codes (absent from weights) are not kept."""
     bits = weight.view(torch.uint8).to(torch.int16)
-    return (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).view(torch.float16)
+    sign = torch.bitwise_and(bits, 0x80).bitwise_left_shift_(8)
+    return bits.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign).view(torch.float16)
 
 
 def _dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -167,12 +183,12 @@ def _dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, block: tuple[
     if weight.dtype == FP8_DTYPE:
         values, scale = _fp8_as_half_times_256(weight).float(), scale * 256.0
     else:  # a float container of fp8 values
-        values = weight.float()
+        values = weight.float().clone() if weight.dtype == torch.float32 else weight.float()
+    # In place: with every expert hit, this buffer is the largest thing the CPU path allocates.
     if rows % b0 == 0 and cols % b1 == 0:
-        tiles = values.view(n, rows // b0, b0, cols // b1, b1)
-        return (tiles * scale[:, :, None, :, None]).view(n, rows, cols)
-    full = scale.repeat_interleave(b0, 1)[:, :rows].repeat_interleave(b1, 2)[:, :, :cols]
-    return values * full
+        values.view(n, rows // b0, b0, cols // b1, b1).mul_(scale[:, :, None, :, None])
+        return values
+    return values.mul_(scale.repeat_interleave(b0, 1)[:, :rows].repeat_interleave(b1, 2)[:, :, :cols])
 
 
 def _quantized_activation(a: torch.Tensor, group: int) -> torch.Tensor:
@@ -325,10 +341,17 @@ def triton_available() -> bool:
 @dataclass(frozen=True)
 class MoeTileConfig:
     block_m: int
-    block_n: int
+    block_n: int  # kernel 1 (the FP8 group when its quantization is fused)
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    down_block_n: int | None = None  # kernel 2; None: block_n
+
+
+def _tl_dtypes() -> dict:
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def _interpreting() -> bool:
@@ -337,109 +360,25 @@ def _interpreting() -> bool:
 
 def choose_tile_config(shape: MoeShape, quant_group: int | None, interpret: bool = False) -> MoeTileConfig:
     """Tile sizes from shapes only (see the module docstring for the reasoning)."""
-    if quant_group is not None:
-        if quant_group < 16 or quant_group & (quant_group - 1):
-            raise ValueError(f"the Triton fused MoE needs a power-of-two FP8 group >= 16, got {quant_group}")
-        block_k = quant_group
-    else:
-        block_k = 64
+    if quant_group is not None and (quant_group < 16 or quant_group & (quant_group - 1)):
+        raise ValueError(f"the Triton fused MoE needs a power-of-two FP8 group >= 16, got {quant_group}")
     if interpret:  # fewer, larger programs: the interpreter pays per program, not per FLOP
-        return MoeTileConfig(block_m=16, block_n=64, block_k=block_k if quant_group else 128, num_warps=4, num_stages=1)
+        group = quant_group or 128
+        return MoeTileConfig(block_m=16, block_n=group if quant_group else 64, block_k=group, num_stages=1)
     rows_per_expert = shape.num_pairs / shape.num_experts
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64
-    block_n = 128 if block_m == 64 else 64
-    return MoeTileConfig(block_m=block_m, block_n=block_n, block_k=block_k)
+    down_block_n = 128 if block_m == 64 else 64
+    if quant_group is not None:  # kernel 1's N tile is one quantization group of h
+        return MoeTileConfig(block_m=block_m, block_n=quant_group, block_k=quant_group, down_block_n=down_block_n)
+    return MoeTileConfig(block_m=block_m, block_n=down_block_n, block_k=64)
 
 
-@functools.lru_cache(maxsize=1)
 def _kernels():
-    import triton
-    import triton.language as tl
+    """The jit functions live in their own module, imported only when a Triton path runs (importing
+    triton is slow, and module-level @triton.jit helpers are what the interpreter can resolve)."""
+    from kserve.kernels import fused_moe_triton_kernels as kernels
 
-    @triton.jit
-    def gate_up_kernel(
-        a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_pair_ptr, block_expert_ptr,
-        num_pairs, top_k, H, I, a_groups, w_scale_rows, w_scale_cols,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        QUANT: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ):
-        """h[pair, n] = silu(x_t . w13[e, n]) * (x_t . w13[e, I + n]) for the pairs of one padded block."""
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert < 0:
-            return
-        expert = expert.to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_pair_ptr + offs_m)
-        valid_m = pair < num_pairs
-        token = pair // top_k
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid_n = offs_n < I
-        w_base = w_ptr + expert * (2 * I) * H
-        s_base = w_scale_ptr + expert * w_scale_rows * w_scale_cols
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, tl.cdiv(H, BLOCK_K)):
-            offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
-            valid_k = offs_k < H
-            a = tl.load(a_ptr + token[:, None] * H + offs_k[None, :], mask=valid_m[:, None] & valid_k[None, :], other=0.0)
-            b_mask = valid_k[:, None] & valid_n[None, :]
-            # [BLOCK_K, BLOCK_N] tiles of W^T for the gate rows n and the up rows I + n.
-            b_gate = tl.load(w_base + offs_n[None, :] * H + offs_k[:, None], mask=b_mask, other=0.0)
-            b_up = tl.load(w_base + (offs_n[None, :] + I) * H + offs_k[:, None], mask=b_mask, other=0.0)
-            if QUANT:
-                a_s = tl.load(a_scale_ptr + token * a_groups + kk, mask=valid_m, other=0.0)
-                s_gate = tl.load(s_base + (offs_n // SCALE_BLOCK_N) * w_scale_cols + kk, mask=valid_n, other=0.0)
-                s_up = tl.load(s_base + ((offs_n + I) // SCALE_BLOCK_N) * w_scale_cols + kk, mask=valid_n, other=0.0)
-                acc_gate += tl.dot(a, b_gate, input_precision=DOT_PRECISION) * a_s[:, None] * s_gate[None, :]
-                acc_up += tl.dot(a, b_up, input_precision=DOT_PRECISION) * a_s[:, None] * s_up[None, :]
-            else:
-                acc_gate += tl.dot(a, b_gate.to(a.dtype), input_precision=DOT_PRECISION)
-                acc_up += tl.dot(a, b_up.to(a.dtype), input_precision=DOT_PRECISION)
-        h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
-        out_mask = valid_m[:, None] & valid_n[None, :]
-        tl.store(out_ptr + pair[:, None] * I + offs_n[None, :], h.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-    @triton.jit
-    def down_kernel(
-        a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_pair_ptr, block_expert_ptr, topk_weight_ptr,
-        num_pairs, H, I, a_groups, w_scale_rows, w_scale_cols,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        QUANT: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ):
-        """y[pair, n] = topk_weight[pair] * (h_pair . w2[e, n]), stored in fp32."""
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert < 0:
-            return
-        expert = expert.to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_pair_ptr + offs_m)
-        valid_m = pair < num_pairs
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid_n = offs_n < H
-        w_base = w_ptr + expert * H * I
-        s_base = w_scale_ptr + expert * w_scale_rows * w_scale_cols
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, tl.cdiv(I, BLOCK_K)):
-            offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
-            valid_k = offs_k < I
-            a = tl.load(a_ptr + pair[:, None] * I + offs_k[None, :], mask=valid_m[:, None] & valid_k[None, :], other=0.0)
-            b = tl.load(w_base + offs_n[None, :] * I + offs_k[:, None], mask=valid_k[:, None] & valid_n[None, :], other=0.0)
-            if QUANT:
-                a_s = tl.load(a_scale_ptr + pair * a_groups + kk, mask=valid_m, other=0.0)
-                s = tl.load(s_base + (offs_n // SCALE_BLOCK_N) * w_scale_cols + kk, mask=valid_n, other=0.0)
-                acc += tl.dot(a, b, input_precision=DOT_PRECISION) * a_s[:, None] * s[None, :]
-            else:
-                acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION)
-        routed = tl.load(topk_weight_ptr + pair, mask=valid_m, other=0.0)
-        acc = acc * routed[:, None]
-        out_mask = valid_m[:, None] & valid_n[None, :]
-        tl.store(out_ptr + pair[:, None] * H + offs_n[None, :], acc, mask=out_mask)
-
-    return gate_up_kernel, down_kernel
+    return kernels.gate_up_kernel, kernels.down_kernel
 
 
 def _quantize_for_kernel(a: torch.Tensor, group: int, container: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -459,8 +398,12 @@ def fused_moe_triton(
     w2_scale: torch.Tensor | None = None,
     block: tuple[int, int] = DEFAULT_BLOCK,
     config: MoeTileConfig | None = None,
+    fuse_quant: bool | None = None,
 ) -> torch.Tensor:
-    """The Triton fused MoE (CUDA, or CPU tensors under TRITON_INTERPRET=1); same contract as fused_moe."""
+    """The Triton fused MoE (CUDA, or CPU tensors under TRITON_INTERPRET=1); same contract as fused_moe.
+
+    `fuse_quant=False` (FP8 only) quantizes x and h with the torch reference between the kernels instead
+    of inside kernel 1; the two must agree bit for bit, which is how the in-kernel rounding is tested."""
     import triton
 
     shape = check_fused_moe_args(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)
@@ -480,33 +423,47 @@ def fused_moe_triton(
     num_blocks = block_expert.shape[0]
     gate_up_kernel, down_kernel = _kernels()
     w13, w2 = w13.contiguous(), w2.contiguous()
-    if quantized:
+    if fuse_quant is None:
+        fuse_quant = quantized
+    fuse_quant = quantized and fuse_quant
+    if fuse_quant and config.block_n != block[1]:
+        config = dataclasses.replace(config, block_n=block[1])  # one tile of h = one quantization group
+    # With fused quantization kernel 1 reads x itself; otherwise the reference quantizes x here.
+    if quantized and not fuse_quant:
         a, a_scale = _quantize_for_kernel(x.contiguous(), block[1], w13.dtype)
+    else:
+        a, a_scale = x.contiguous(), x.new_zeros(1, dtype=torch.float32)
+    if quantized:
         s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
     else:
-        a = x.contiguous()
-        a_scale = s13 = s2 = x.new_zeros(1, dtype=torch.float32)  # never read
-    precision = "ieee" if a.dtype == torch.float32 else None
+        s13 = s2 = a_scale  # never read
+    container = w13.dtype if quantized else x.dtype
+    precision = "ieee" if container == torch.float32 else None
     common = dict(
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, QUANT=quantized,
+        BLOCK_M=config.block_m, BLOCK_K=config.block_k, QUANT=quantized,
         SCALE_BLOCK_N=block[0], DOT_PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    if fuse_quant:
+        h = torch.empty(pairs, inter, dtype=w2.dtype, device=x.device)
+        h_scale = torch.empty(pairs, num_groups(inter, block[1]), dtype=torch.float32, device=x.device)
+    else:
+        h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+        h_scale = a_scale
     gate_up_kernel[(triton.cdiv(inter, config.block_n), num_blocks)](
-        a, a_scale, w13, s13, h, sorted_pair_ids, block_expert,
+        a, a_scale, w13, s13, h, h_scale, sorted_pair_ids, block_expert,
         pairs, top_k, hidden, inter, a_scale.shape[-1], s13.shape[-2] if quantized else 1,
-        s13.shape[-1] if quantized else 1, **common,
+        s13.shape[-1] if quantized else 1, BLOCK_N=config.block_n, FUSE_QUANT=fuse_quant,
+        FP8_MAX_C=FP8_MAX, FLOOR=SCALE_FLOOR, OUT_DTYPE=_tl_dtypes()[x.dtype], **common,
     )
-    if quantized:
+    if quantized and not fuse_quant:
         # Rows of remote pairs are never written; they are quantized too but never read.
         h, h_scale = _quantize_for_kernel(h, block[1], w2.dtype)
-    else:
-        h_scale = a_scale
     weighted = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
-    down_kernel[(triton.cdiv(hidden, config.block_n), num_blocks)](
+    down_block_n = config.down_block_n or config.block_n
+    down_kernel[(triton.cdiv(hidden, down_block_n), num_blocks)](
         h, h_scale, w2, s2, weighted, sorted_pair_ids, block_expert, topk_weights.float().contiguous(),
         pairs, hidden, inter, h_scale.shape[-1], s2.shape[-2] if quantized else 1,
-        s2.shape[-1] if quantized else 1, **common,
+        s2.shape[-1] if quantized else 1, BLOCK_N=down_block_n, **common,
     )
     return weighted.view(tokens, top_k, hidden).sum(1).to(x.dtype)
 

@@ -256,6 +256,27 @@ def test_triton_matches_torch(name):
     # fp16: the torch path rounds gate/up to fp16 before SiLU, the kernel keeps them in fp32.
     rel = 5e-3 if container == torch.float16 else 2e-3 if fp8 else 1e-5
     assert_moe_close(got, want, rel)
+    if fp8:  # in-kernel quantization of x and h == the torch reference's, bit for bit
+        assert torch.equal(got, fused_moe_triton(**case, fuse_quant=False))
+
+
+@needs_triton
+def test_triton_in_kernel_quantization_rounds_ties_and_subnormals_like_torch():
+    from kserve.kernels.fused_moe import fused_moe_triton
+
+    case = make_case(3, 256, 128, 2, 2, fp8=True)
+    # Row 0 has amax 448 (scale exactly 1), so these are quantized as written: ties between fp8
+    # neighbours (1.0625, 1.1875, 34, 100), subnormal ties (1.5 and 2.5 * 2^-9), values around 2^-6.
+    special = torch.tensor([448.0, 1.0625, 1.1875, -1.0625, 34.0, 100.0, 1.5 * 2**-9, 2.5 * 2**-9,
+                            -0.5 * 2**-9, 2**-6 - 2**-11, 2**-6 + 2**-10, 0.0])
+    x = case["x"].clone()
+    x[0, : special.numel()] = special
+    x[0, special.numel():128] = 0.5
+    x[1, :128] = 0.0  # an all-zero group: the scale floor
+    case = dict(case, x=x, w13=case["w13"].float(), w2=case["w2"].float())
+    want_q, _ = quantize_per_token_group_torch(x[:1])
+    assert [float(v) for v in want_q[0, 1:6]] == [1.0, 1.25, -1.0, 32.0, 96.0]  # ties went to even
+    assert torch.equal(fused_moe_triton(**case), fused_moe_triton(**case, fuse_quant=False))
 
 
 @needs_triton
