@@ -1,4 +1,4 @@
-"""`kserve` command line: serve, make-tiny, render."""
+"""`kserve` command line: serve, make-tiny, render, plan."""
 
 from __future__ import annotations
 
@@ -74,12 +74,53 @@ def _add_render(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--legacy-prompt-encoding", action="store_true")
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="per-rank weight bytes, KV cache size and whether a model fits (no GPU needed)")
+    p.add_argument("model", help="a model directory or a config.json file")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="memory per GPU in GiB (default: this machine's GPU 0)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from kserve.model.memory_plan import GIB, load_plan_config, plan_memory
+
+    if args.gpu_memory_gib is not None:
+        total = int(args.gpu_memory_gib * GIB)
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("kserve plan: no GPU here; give --gpu-memory-gib", file=sys.stderr)
+            return 2
+        total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        config = load_plan_config(args.model)
+        plan = plan_memory(
+            config, args.tp, total, model_name=str(args.model), max_model_len=args.max_model_len,
+            kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kserve plan: {exc}", file=sys.stderr)
+        return 2
+    print(plan.to_json() if args.json else plan.format_text())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kserve", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     _add_serve(sub)
     _add_make_tiny(sub)
     _add_render(sub)
+    _add_plan(sub)
     return parser
 
 
@@ -99,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         path = write_tiny_checkpoint(args.dir, seed=args.seed, variant=args.variant, geometry=args.geometry)
         print(path)
         return 0
+    if args.command == "plan":
+        return _run_plan(args)
     if args.command == "render":
         from kserve.chat.render_cli import run_render
 

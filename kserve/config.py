@@ -34,6 +34,23 @@ class QuantConfig:
     activation_scheme: str = "dynamic"
     weight_block_size: tuple[int, int] = (128, 128)
 
+    def __post_init__(self) -> None:
+        # Everything FP8 here (checkpoint scales, the block-FP8 GEMM, the fused MoE) is 128x128 e4m3.
+        if tuple(self.weight_block_size) != (128, 128):
+            raise ValueError(
+                f"quantization_config.weight_block_size {list(self.weight_block_size)} is not supported: "
+                "kserve runs block FP8 with 128x128 blocks only"
+            )
+        if self.quant_method != "fp8" or self.fmt != "e4m3":
+            raise ValueError(
+                f"quantization_config quant_method={self.quant_method!r} fmt={self.fmt!r} is not supported: "
+                "expected quant_method 'fp8', fmt 'e4m3'"
+            )
+        if self.activation_scheme != "dynamic":
+            raise ValueError(
+                f"quantization_config.activation_scheme {self.activation_scheme!r} is not supported: expected 'dynamic'"
+            )
+
 
 def yarn_mscale(scale: float, mscale: float) -> float:
     if scale <= 1.0:

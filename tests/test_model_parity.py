@@ -1,4 +1,6 @@
-"""kserve's model against transformers' DeepseekV3ForCausalLM with the same dequantized weights (fp32, CPU)."""
+"""kserve's model against transformers' DeepseekV3ForCausalLM with the same dequantized weights (fp32, CPU).
+
+The exact-parity tests load with weights="dequantized"; the FP8 path (the default) is compared at the end."""
 
 import pytest
 import torch
@@ -26,13 +28,13 @@ def prompt(n: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def k2(tiny_k2_dir):
-    return load_model(tiny_k2_dir), build_hf_reference(tiny_k2_dir)
+    return load_model(tiny_k2_dir, weights="dequantized"), build_hf_reference(tiny_k2_dir)
 
 
 @pytest.mark.parametrize("variant", ["k2", "v3"])
 def test_prefill_parity(variant, request):
     model_dir = request.getfixturevalue(f"tiny_{variant}_dir")
-    model, hf = load_model(model_dir), build_hf_reference(model_dir)
+    model, hf = load_model(model_dir, weights="dequantized"), build_hf_reference(model_dir)
     if variant == "v3":
         assert model.config.n_group > 1 and model.config.topk_group > 1
     ids = prompt(45, seed=1)
@@ -48,7 +50,7 @@ def test_prefill_parity(variant, request):
 @pytest.mark.parametrize("variant", ["k2", "v3"])
 def test_decode_parity_32_steps(variant, request):
     model_dir = request.getfixturevalue(f"tiny_{variant}_dir")
-    model, hf = load_model(model_dir), build_hf_reference(model_dir)
+    model, hf = load_model(model_dir, weights="dequantized"), build_hf_reference(model_dir)
     ids = prompt(20, seed=2)
     cache = empty_cache(model)
     logits = model.compute_logits(model(ids, ForwardBatch.contiguous([20], [20], BLOCK), cache))[-1]
@@ -122,7 +124,7 @@ def test_kv_cache_bytes_per_token(k2):
 
 def test_bf16_model_runs_close_to_fp32(k2, tiny_k2_dir):
     model32, _ = k2
-    model16 = load_model(tiny_k2_dir, dtype=torch.bfloat16)
+    model16 = load_model(tiny_k2_dir, dtype=torch.bfloat16, weights="dequantized")
     ids = prompt(10, seed=6)
     cache16 = torch.zeros(model16.config.num_hidden_layers, 4, BLOCK, model16.config.kv_cache_dim, dtype=torch.bfloat16)
     l16 = model16.compute_logits(model16(ids, ForwardBatch.contiguous([10], [10], BLOCK), cache16))
@@ -141,18 +143,31 @@ def test_mismatched_batch_is_rejected(k2):
         model(prompt(4), ForwardBatch.contiguous([4], [4], BLOCK), torch.zeros(1, 4, BLOCK, 7))
 
 
-def test_keep_fp8_gives_identical_logits_with_less_memory(k2, tiny_k2_dir):
-    dense, _ = k2
-    fp8 = load_model(tiny_k2_dir, keep_fp8=True)
-    kept = [n for n, p in fp8.named_parameters() if p.dtype == torch.float8_e4m3fn]
-    assert any("experts.gate_up_proj" in n for n in kept) and any("kv_a_proj_with_mqa" in n for n in kept)
+def test_fp8_path_against_transformers_fp32(k2, tiny_k2_dir):
+    """The default FP8 path (FP8 weights, activations quantized per token in 1x128 groups) against
+    transformers' fp32 model on the dequantized weights: only the activation quantization differs.
+
+    The tiny model is random, so its hidden states are far from a trained model's and errors grow
+    through the 4 layers (each w8a8 linear is ~2.5% off in relative norm, and the random router flips
+    near-tied experts); the bounds are loose on purpose and the numbers are printed."""
+    dense, hf = k2
+    fp8 = load_model(tiny_k2_dir)
+    assert fp8.model.layers[1].self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
     nbytes = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
-    assert nbytes(fp8) < 0.5 * nbytes(dense)
-    ids = prompt(20, seed=7)
-    caches = [empty_cache(dense), empty_cache(fp8)]
-    for step, (q, c) in enumerate([(20, 20), (1, 21), (1, 22)]):
-        batch = ForwardBatch.contiguous([q], [c], BLOCK)
-        toks = ids if step == 0 else ids[step : step + 1]
-        a = dense.compute_logits(dense(toks, batch, caches[0]))
-        b = fp8.compute_logits(fp8(toks, batch, caches[1]))
-        assert torch.equal(a, b)  # dequantizing per forward is the same exact arithmetic
+    assert nbytes(fp8) < nbytes(dense)
+    rel_errs, cosines, agree, total = [], [], 0, 0
+    for seed in range(4):
+        ids = prompt(24, seed=10 + seed)
+        logits = fp8.compute_logits(fp8(ids, ForwardBatch.contiguous([24], [24], BLOCK), empty_cache(fp8)))
+        with torch.no_grad():
+            ref = hf(ids[None]).logits[0].float()
+        rel_errs.append(((logits - ref).norm(dim=-1) / ref.norm(dim=-1)).median().item())
+        cosines.append(torch.nn.functional.cosine_similarity(logits, ref, dim=-1).median().item())
+        agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
+        total += ids.shape[0]
+    print(
+        f"fp8 vs transformers fp32: median per-row relative logit error {sum(rel_errs) / 4:.3e}, "
+        f"median cosine {sum(cosines) / 4:.4f}, greedy agreement {agree}/{total} = {agree / total:.2%}"
+    )
+    assert max(rel_errs) < 0.6 and min(cosines) > 0.8
+    assert agree / total >= 0.5

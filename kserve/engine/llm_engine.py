@@ -20,7 +20,7 @@ from kserve.engine.block_manager import BlockManager
 from kserve.engine.device import resolve_device, resolve_dtype
 from kserve.engine.errors import EngineDeadError, PromptRejected, is_fatal
 from kserve.engine.faults import STEP_FAULTS_KEY
-from kserve.engine.model_runner import ModelRunner, num_kv_blocks_for
+from kserve.engine.model_runner import ModelRunner, num_kv_blocks_for, profile_memory, resolve_kv_cache_dtype
 from kserve.engine.output_processor import OutputProcessor
 from kserve.engine.request import Request
 from kserve.engine.sampler import Sampler, SamplerOutput
@@ -81,8 +81,13 @@ class LLMEngine:
         eos = collect_eos_ids(tokenizer, self.model_dir, model_config.eos_token_id)
         self.eos_token_ids = eos
 
-        bytes_per_token = kv_cache_bytes_per_token(model_config, dtype)
-        num_blocks = num_kv_blocks_for(config, bytes_per_token, self.device)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+        bytes_per_token = kv_cache_bytes_per_token(model_config, kv_dtype)
+        profile = None
+        if self.device.type == "cuda" and config.num_kv_blocks is None:
+            # size the cache from what a full step really takes (rank 0 stands for every rank)
+            profile = profile_memory(model, model_config, config, self.device, kv_dtype)
+        num_blocks = num_kv_blocks_for(config, bytes_per_token, self.device, profile)
         capacity = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings, capacity)
 
@@ -113,7 +118,7 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         from kserve.chat import load_tokenizer
         from kserve.model import load_model
-
+        from kserve.model.deepseek_v3 import check_tensor_parallel
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         if config.model is None:
@@ -123,6 +128,8 @@ class LLMEngine:
         else:
             model_dir = Path(config.model)
         tokenizer = load_tokenizer(model_dir)
+        # a tensor-parallel size that cannot split the model fails here, before any worker starts
+        check_tensor_parallel(ModelConfig.from_model_dir(model_dir), config.tensor_parallel_size)
         if config.tensor_parallel_size == 1:
             model = load_model(model_dir, device=device, dtype=dtype)
             return cls(model, model.config, tokenizer, config, model_dir, device, dtype)

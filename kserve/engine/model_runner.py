@@ -25,17 +25,100 @@ from kserve.model.forward_batch import ForwardBatch
 logger = logging.getLogger(__name__)
 
 
-def num_kv_blocks_for(config: EngineConfig, bytes_per_token: int, device: torch.device) -> int:
-    """How many cache blocks fit in the memory the config allows."""
+def num_kv_blocks_for(
+    config: EngineConfig, bytes_per_token: int, device: torch.device, profile: MemoryProfile | None = None
+) -> int:
+    """How many cache blocks fit in the memory the config allows.
+
+    CUDA: `gpu_memory_utilization` of the device's total memory, less the weights, the profiled peak
+    activations and what torch does not allocate (`kserve.model.memory_plan.kv_cache_budget_bytes`),
+    less a reserve for CUDA graphs unless `enforce_eager`. Without a profile the activations count as
+    zero. CPU: `kv_cache_cpu_bytes`. The runner's scratch block comes out of the budget too.
+    """
+    from kserve.model.memory_plan import kv_blocks_for_budget, kv_cache_budget_bytes
+
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    bytes_per_block = bytes_per_token * config.block_size
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = min(free, int(total * config.gpu_memory_utilization) - (total - free))
-    else:
-        budget = config.kv_cache_cpu_bytes
-    return max(1, budget // bytes_per_block)
+        if profile is None:
+            free, total = torch.cuda.mem_get_info(device)
+            allocated = torch.cuda.memory_allocated(device)
+            profile = MemoryProfile(total, allocated, 0, max(0, total - free - torch.cuda.memory_reserved(device)))
+        graphs = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
+        budget = kv_cache_budget_bytes(
+            profile.total_bytes, config.gpu_memory_utilization, profile.weights_bytes,
+            profile.peak_activation_bytes, profile.non_torch_bytes + graphs,
+        )
+        blocks = kv_blocks_for_budget(budget, bytes_per_token, config.block_size, reserved_blocks=1)
+        if blocks < 1:
+            gib = 1 << 30
+            raise ValueError(
+                f"no room for the KV cache: {config.gpu_memory_utilization} x {profile.total_bytes / gib:.2f} GiB "
+                f"leaves {budget / gib:.2f} GiB after weights {profile.weights_bytes / gib:.2f} GiB, activations "
+                f"{profile.peak_activation_bytes / gib:.2f} GiB and {(profile.non_torch_bytes + graphs) / gib:.2f} GiB "
+                "outside torch; raise --gpu-memory-utilization, lower --max-num-batched-tokens or use more ranks"
+            )
+        return blocks
+    return max(1, kv_blocks_for_budget(config.kv_cache_cpu_bytes, bytes_per_token, config.block_size, reserved_blocks=1))
+
+
+def _swap_parallel(model: Any, parallel_for: Any) -> list[tuple[Any, Any]]:
+    swapped = []
+    for module in model.modules():
+        state = getattr(module, "parallel", None)
+        if state is not None and hasattr(state, "without_collectives"):
+            swapped.append((module, state))
+            module.parallel = parallel_for(state)
+    return swapped
+
+
+@torch.inference_mode()
+def profile_memory(
+    model: Any, model_config: ModelConfig, config: EngineConfig, device: torch.device, kv_cache_dtype: torch.dtype
+) -> MemoryProfile:
+    """CUDA only: run one forward of `max_num_batched_tokens` tokens (one prefill, the largest step
+    the scheduler makes) and the LM head for up to `max_num_seqs` rows, on a scratch cache just big
+    enough, and measure the peak memory it allocates above the loaded weights.
+
+    Under tensor parallelism rank 0 profiles alone (ranks are symmetric): the model's collectives are
+    swapped for local stand-ins of the same shapes for this one forward, so no other rank takes part.
+    """
+    from kserve.model.forward_batch import ForwardBatch
+
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    tokens = config.max_num_batched_tokens
+    if config.max_model_len:
+        tokens = min(tokens, config.max_model_len)
+    blocks = -(-tokens // config.block_size)
+    cache = torch.zeros(
+        model_config.num_hidden_layers, blocks, config.block_size, model_config.kv_cache_dim,
+        dtype=kv_cache_dtype, device=device,
+    )
+    cache_bytes = cache.numel() * cache.element_size()
+    swapped = _swap_parallel(model, lambda state: state.without_collectives())
+    try:
+        batch = ForwardBatch.contiguous([tokens], [tokens], config.block_size, device=device)
+        ids = torch.randint(0, model_config.vocab_size, (tokens,), device=device)
+        hidden = model(ids, batch, cache)
+        model.compute_logits(hidden[-min(config.max_num_seqs, tokens):])
+        torch.cuda.synchronize(device)
+    finally:
+        for module, state in swapped:
+            module.parallel = state
+    peak = torch.cuda.max_memory_allocated(device)
+    del cache, hidden, batch, ids
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+    profile = MemoryProfile(total, weights, max(0, peak - weights - cache_bytes), non_torch)
+    logger.info(
+        "memory profile: %.2f GiB total, weights %.2f GiB, peak activations %.2f GiB at %d tokens, %.2f GiB outside torch",
+        total / 2**30, weights / 2**30, profile.peak_activation_bytes / 2**30, tokens, non_torch / 2**30,
+    )
+    return profile
 
 
 @dataclass

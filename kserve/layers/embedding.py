@@ -1,4 +1,10 @@
-"""Token embedding and LM head (both replicated on every rank)."""
+"""Vocabulary-parallel token embedding and LM head: each rank holds ceil(vocab / tp_size) rows.
+
+Rank r holds rows [r * per, (r + 1) * per); rows past the vocabulary (the last rank, when the
+vocabulary does not divide) are zero padding. The embedding looks up the ids in its shard, zeroes
+the others and sums over ranks (exactly one rank contributes each row, so the sum is exact). The
+LM head computes its shard of the logits and all-gathers them (no sum: exact).
+"""
 
 from __future__ import annotations
 
@@ -6,30 +12,46 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _copy_checked(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
-    param.data.copy_(loaded)
+from kserve.distributed import ParallelState
 
 
-class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device: torch.device | str):
+class _VocabShard(nn.Module):
+    def __init__(
+        self, vocab_size: int, hidden_size: int, parallel: ParallelState, *, dtype: torch.dtype, device: torch.device | str
+    ):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.weight.weight_loader = _copy_checked
+        self.vocab_size = vocab_size
+        self.parallel = parallel
+        self.vocab_start, self.vocab_end = parallel.padded_shard_range(vocab_size)
+        self.num_real_rows = max(0, min(self.vocab_end, vocab_size) - self.vocab_start)
+        rows = self.vocab_end - self.vocab_start
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight.checkpoint_slice = (slice(self.vocab_start, self.vocab_start + self.num_real_rows), slice(None))
 
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        expected = (self.num_real_rows, param.shape[1])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"vocabulary shard shape {tuple(loaded.shape)} != {expected}")
+        param.data[self.num_real_rows :].zero_()
+        param.data[: self.num_real_rows].copy_(loaded)
+
+
+class VocabEmbedding(_VocabShard):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if not self.parallel.is_parallel:
+            return F.embedding(input_ids, self.weight)
+        in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(in_shard, input_ids - self.vocab_start, 0)
+        out = F.embedding(local, self.weight) * in_shard[:, None].to(self.weight.dtype)
+        return self.parallel.all_reduce(out)
 
 
-class LMHead(nn.Module):
-    """Returns float32 logits."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device: torch.device | str):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.weight.weight_loader = _copy_checked
+class LMHead(_VocabShard):
+    """Returns float32 logits [T, vocab_size], gathered over ranks."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        logits = F.linear(hidden, self.weight).float()
+        if not self.parallel.is_parallel:
+            return logits
+        return self.parallel.all_gather_last_dim(logits)[:, : self.vocab_size]

@@ -1,9 +1,22 @@
-"""Linear layers without bias; each parameter's `weight_loader` copies its own tensor-parallel shard.
+"""Linear layers without bias, each holding its tensor-parallel shard of a [out, in] weight.
 
-By default the loader dequantizes FP8 checkpoint weights and these layers hold plain weights in
-the model dtype. With `quant_block` set (load_model(..., keep_fp8=True)) a layer whose shard is
-aligned to the quantization blocks keeps the float8_e4m3fn weight plus its fp32
-`weight_scale_inv` and dequantizes on the fly in forward (Triton on CUDA), halving bf16 memory.
+Two storage modes, chosen per layer at construction:
+- `quant_block=None`: the weight in the model dtype (a non-FP8 checkpoint, `weights="dequantized"`,
+  or a layer the model keeps dequantized on purpose, like kv_b_proj).
+- `quant_block=(128, 128)`: the checkpoint's float8_e4m3fn weight and fp32 `weight_scale_inv`, kept as
+  they are; forward is the block-FP8 w8a8 GEMM (`kserve.kernels.fp8_gemm.fp8_block_linear`), which
+  never widens more than one 128-column group of the weight at a time.
+
+Every parameter says which part of the checkpoint tensor it holds (`param.checkpoint_slice`, a tuple
+of slices), so the loader reads only that slice; `weight_loader(param, slice)` then stores it.
+
+A shard that does not start on a 128 boundary (a tensor-parallel split such as 64 of 128 rows) is
+stored with zero rows/columns in front, up to the boundary of the checkpoint's block grid, so the
+checkpoint's scales apply unchanged: forward pads the input with zeros (row-parallel) or drops the
+padded outputs (column-parallel). A row-parallel shard that cuts a 128-wide activation group also
+all-reduces each group's maximum over the ranks (one small collective), so its activations quantize
+exactly as in the unsplit layer and TP=N computes what TP=1 does. Kimi K2 at TP 8 and 16 splits
+everything on 128 boundaries and needs neither.
 """
 
 from __future__ import annotations
@@ -14,15 +27,23 @@ from torch import nn
 
 from kserve.distributed import ParallelState
 from kserve.kernels.fp8_dequant import dequantize_blocks, scale_shape
+from kserve.kernels.fp8_gemm import (
+    fp8_block_linear,
+    triton_available,
+    w8a8_block_matmul_quantized_torch,
+    w8a8_block_matmul_quantized_triton,
+)
+from kserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 
 
-def _check_shape(param: nn.Parameter, loaded: torch.Tensor) -> None:
+def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"shard shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
+        raise ValueError(f"{what}: shard shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
 
 
-def _aligned(start: int, end: int, total: int, block: int) -> bool:
-    return start % block == 0 and (end % block == 0 or end == total)
+def fill_zero(t: torch.Tensor) -> None:
+    """Zero any tensor, float8 included (CPU has no float8 fill kernel; fp8 zero is the 0 byte)."""
+    (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).zero_()
 
 
 class ShardedLinear(nn.Module):
@@ -40,40 +61,55 @@ class ShardedLinear(nn.Module):
         quant_block: tuple[int, int] | None = None,
     ):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.out_start, self.out_end = out_range
         self.in_start, self.in_end = in_range
-        local = (self.out_end - self.out_start, self.in_end - self.in_start)
-        self.block = quant_block
-        self.quantized = quant_block is not None and (
-            _aligned(self.out_start, self.out_end, out_features, quant_block[0])
-            and _aligned(self.in_start, self.in_end, in_features, quant_block[1])
-        )
+        self.block = tuple(quant_block) if quant_block is not None else None
+        self.quantized = self.block is not None
         self.compute_dtype = dtype
+        b0, b1 = self.block if self.quantized else (1, 1)
+        self.pad_out = self.out_start % b0
+        self.pad_in = self.in_start % b1
+        local = (self.out_end - self.out_start + self.pad_out, self.in_end - self.in_start + self.pad_in)
         weight_dtype = torch.float8_e4m3fn if self.quantized else dtype
         self.weight = nn.Parameter(torch.empty(local, dtype=weight_dtype, device=device), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.checkpoint_slice = (slice(self.out_start, self.out_end), slice(self.in_start, self.in_end))
         if self.quantized:
             self.weight_scale_inv = nn.Parameter(
-                torch.empty(scale_shape(local, quant_block), dtype=torch.float32, device=device), requires_grad=False
+                torch.empty(scale_shape(local, self.block), dtype=torch.float32, device=device), requires_grad=False
             )
             self.weight_scale_inv.weight_loader = self.weight_loader
+            self.weight_scale_inv.checkpoint_slice = (
+                slice(self.out_start // b0, -(-self.out_end // b0)),
+                slice(self.in_start // b1, -(-self.in_end // b1)),
+            )
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if param is getattr(self, "weight_scale_inv", None):
-            b0, b1 = self.block
-            shard = loaded[self.out_start // b0 : -(-self.out_end // b0), self.in_start // b1 : -(-self.in_end // b1)]
+        """Store `loaded`, the checkpoint slice named by `param.checkpoint_slice`."""
+        if param is self.weight and (self.pad_out or self.pad_in):
+            fill_zero(param.data)
+            target = param.data[self.pad_out :, self.pad_in :]
         else:
-            shard = loaded[self.out_start : self.out_end, self.in_start : self.in_end]
-        _check_shape(param, shard)
-        param.data.copy_(shard)
+            target = param.data
+        _check_shape(target, loaded, "weight_scale_inv" if param is not self.weight else "weight")
+        target.copy_(loaded)
 
     def dense_weight(self) -> torch.Tensor:
+        """The weight in the compute dtype (a dequantized copy for FP8 layers: for tests and offline use;
+        forward never calls this on an FP8 layer)."""
         if not self.quantized:
             return self.weight
-        return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, self.compute_dtype)
+        full = dequantize_blocks(self.weight, self.weight_scale_inv, self.block, self.compute_dtype)
+        return full[self.pad_out :, self.pad_in :]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense_weight())
+        if not self.quantized:
+            return F.linear(x, self.weight)
+        if self.pad_in:
+            x = F.pad(x, (self.pad_in, 0))
+        y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block)
+        return y[..., self.pad_out :].contiguous() if self.pad_out else y
 
 
 class ReplicatedLinear(ShardedLinear):
@@ -100,7 +136,36 @@ class RowParallelLinear(ShardedLinear):
         super().__init__(in_features, out_features, (0, out_features), parallel.shard_range(in_features), **kw)
         self.parallel = parallel
         self.reduce_results = reduce_results
+        # An FP8 input shard that cuts an activation group: its ranks agree on the group's scale first.
+        self.straddles_groups = self.quantized and (
+            self.in_start % self.block[1] != 0 or (self.in_end % self.block[1] != 0 and self.in_end != in_features)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
+        out = self._straddling_forward(x) if self.straddles_groups else super().forward(x)
         return self.parallel.all_reduce(out) if self.reduce_results else out
+
+    def _straddling_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block-FP8 GEMM with each activation group's scale taken over the whole group, across
+        the ranks that share it (an all-reduce of the group maxima), so the quantized activation, and
+        the result, are those of the unsplit layer. Only for shards not on 128 boundaries."""
+        b1 = self.block[1]
+        lead = x.shape[:-1]
+        x2 = F.pad(x.reshape(-1, x.shape[-1]).float(), (self.pad_in, 0))
+        groups = -(-x2.shape[1] // b1)
+        tiles = F.pad(x2, (0, groups * b1 - x2.shape[1])).view(x2.shape[0], groups, b1)
+        first = self.in_start // b1
+        amax = x2.new_zeros(x2.shape[0], -(-self.in_features // b1))
+        amax[:, first : first + groups] = tiles.abs().amax(dim=-1)
+        amax = self.parallel.all_reduce_max(amax)[:, first : first + groups]
+        scales = amax.clamp(min=SCALE_FLOOR) / FP8_MAX
+        x_q = (tiles / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(x2.shape[0], groups * b1)[:, : x2.shape[1]]
+        if x.is_cuda and triton_available() and torch.cuda.get_device_capability(x.device) >= (8, 9):
+            y = w8a8_block_matmul_quantized_triton(
+                x_q.to(FP8_DTYPE).contiguous(), scales, self.weight, self.weight_scale_inv, self.block, x.dtype
+            )
+        else:
+            y = w8a8_block_matmul_quantized_torch(
+                x_q.to(FP8_DTYPE), scales, self.weight, self.weight_scale_inv, self.block, x.dtype
+            )
+        return y.view(*lead, self.weight.shape[0])

@@ -31,7 +31,11 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 class NoAuxRouter(nn.Module):
-    """The `mlp.gate` module: router weight and the selection-only correction bias, both kept in fp32."""
+    """The `mlp.gate` module: router weight and the selection-only correction bias, both kept in fp32.
+
+    The loader copies the checkpoint's tensors straight into these fp32 parameters (bf16 weight
+    widened exactly, fp32 bias bit for bit), never through the model dtype; forward is fp32 too.
+    """
 
     def __init__(self, config: ModelConfig, *, device: torch.device | str):
         super().__init__()
@@ -71,8 +75,11 @@ class NoAuxRouter(nn.Module):
 class RoutedExperts(nn.Module):
     """This rank's experts, stacked: gate_up_proj [E_local, 2I, H] (gate rows first), down_proj [E_local, H, I].
 
-    With `quant_block` (and I a multiple of the block) they stay float8_e4m3fn with stacked fp32
-    `*_scale_inv` and are dequantized one expert at a time in forward.
+    With `quant_block` they hold the checkpoint's float8_e4m3fn values with stacked fp32 scales
+    `gate_up_proj_scale_inv` [E_local, 2I/B0, ceil(H/B1)] and `down_proj_scale_inv` [E_local, ceil(H/B0), I/B1]:
+    the layout `kserve.kernels.fused_moe` takes. Stacking gate over up keeps each half on its own scale
+    rows only when I is a multiple of the block, so that is required. Experts are never split: each
+    expert-parallel rank reads and holds whole experts [first_expert, first_expert + E_local).
     """
 
     def __init__(
@@ -85,12 +92,17 @@ class RoutedExperts(nn.Module):
         quant_block: tuple[int, int] | None = None,
     ):
         super().__init__()
-        self.first_expert, last = parallel.shard_range(config.n_routed_experts)
+        self.first_expert, last = parallel.shard_range(config.n_routed_experts, "n_routed_experts")
         self.num_local = last - self.first_expert
         inter, hidden = config.moe_intermediate_size, config.hidden_size
         self.intermediate = inter
         self.compute_dtype = dtype
-        self.block = quant_block if quant_block is not None and inter % quant_block[0] == 0 else None
+        self.block = tuple(quant_block) if quant_block is not None else None
+        if self.block is not None and inter % self.block[0]:
+            raise ValueError(
+                f"moe_intermediate_size = {inter} is not a multiple of the FP8 block {self.block[0]}: "
+                "stacked FP8 experts need whole blocks (load with weights='dequantized')"
+            )
         wdtype = torch.float8_e4m3fn if self.block else dtype
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden, dtype=wdtype, device=device), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=wdtype, device=device), requires_grad=False)
@@ -112,6 +124,9 @@ class RoutedExperts(nn.Module):
         return self.first_expert <= expert_id < self.first_expert + self.num_local
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard_id: str) -> None:
+        """Store one expert's gate, up or down weight (or its scale) from the checkpoint."""
+        if not self.owns(expert_id):
+            raise ValueError(f"expert {expert_id} is not on this rank (it holds {self.first_expert}..{self.first_expert + self.num_local - 1})")
         local = expert_id - self.first_expert
         is_scale = param is getattr(self, "gate_up_proj_scale_inv", None) or param is getattr(self, "down_proj_scale_inv", None)
         split = self.intermediate // self.block[0] if is_scale else self.intermediate

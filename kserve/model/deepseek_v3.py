@@ -25,6 +25,7 @@ from kserve.layers.norm import RMSNorm
 from kserve.layers.rotary import YarnRotaryEmbedding
 from kserve.model.forward_batch import ForwardBatch
 
+WEIGHT_MODES = ("fp8", "dequantized")
 # DeepSeek's reference and transformers build the two latent norms with the default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 
@@ -48,7 +49,10 @@ class MLAttention(nn.Module):
     ):
         super().__init__()
         if config.num_attention_heads % parallel.tp_size:
-            raise ValueError(f"{config.num_attention_heads} heads do not split over {parallel.tp_size} ranks")
+            raise ValueError(
+                f"num_attention_heads = {config.num_attention_heads} heads do not split over "
+                f"tensor-parallel size {parallel.tp_size}"
+            )
         self.num_heads = config.num_attention_heads // parallel.tp_size
         self.qk_nope = config.qk_nope_head_dim
         self.qk_rope = config.qk_rope_head_dim
@@ -66,7 +70,9 @@ class MLAttention(nn.Module):
             self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * config.qk_head_dim, parallel, **lin)
         self.kv_a_proj_with_mqa = ReplicatedLinear(config.hidden_size, config.kv_cache_dim, **lin)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS, **kw)
-        self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, heads * (self.qk_nope + self.v_head), parallel, **lin)
+        # Dequantized at load even from an FP8 checkpoint (as vLLM does): the absorbed decode path
+        # needs W_UK / W_UV as dense matrices, and kv_b_proj is ~0.05% of K2's weights.
+        self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, heads * (self.qk_nope + self.v_head), parallel, **kw)
         self.o_proj = RowParallelLinear(heads * self.v_head, config.hidden_size, parallel, **lin)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +179,7 @@ class DeepseekV3Model(nn.Module):
     ):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, **kw)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, parallel, **kw)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, parallel, quant_block=quant_block, **kw) for i in range(config.num_hidden_layers)
         )
@@ -190,7 +196,9 @@ class DeepseekV3Model(nn.Module):
 class KimiK2ForCausalLM(nn.Module):
     """`model(input_ids [T], batch, kv_cache [L, blocks, block_size, kv_cache_dim])` -> final-normed hidden [T, H].
 
-    `keep_fp8=True` keeps block-aligned FP8 linears (and experts) quantized, dequantizing per forward.
+    `weights="fp8"` (default) stores an FP8 checkpoint's FP8 tensors as float8_e4m3fn with their fp32
+    scales (kv_b_proj excepted, see MLAttention); `weights="dequantized"` stores every weight in `dtype`.
+    Construction checks that the tensor-parallel size divides what it must split (naming the number).
     """
 
     def __init__(
@@ -200,15 +208,19 @@ class KimiK2ForCausalLM(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        keep_fp8: bool = False,
+        weights: str = "fp8",
     ):
         super().__init__()
+        if weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
+        check_tensor_parallel(config, parallel.tp_size)
         self.config = config
         self.parallel = parallel
+        self.weights = weights
         quant = config.quantization_config
-        quant_block = tuple(quant.weight_block_size) if keep_fp8 and quant is not None else None
+        quant_block = tuple(quant.weight_block_size) if weights == "fp8" and quant is not None else None
         self.model = DeepseekV3Model(config, parallel, dtype=dtype, device=device, quant_block=quant_block)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, parallel, dtype=dtype, device=device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -228,9 +240,30 @@ class KimiK2ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, vocab_size]. Under tensor parallelism this all-gathers the vocabulary
+        shards, so every rank must call it for the same rows."""
         return self.lm_head(hidden)
 
 
+def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
+    """Raise ValueError naming the config field when `tp_size` does not divide what it splits."""
+    if tp_size < 1:
+        raise ValueError(f"tensor-parallel size must be at least 1, got {tp_size}")
+    splits = {
+        "num_attention_heads": config.num_attention_heads,
+        "intermediate_size": (
+            config.intermediate_size if any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers)) else 0
+        ),
+    }
+    if config.n_routed_experts:
+        splits["n_routed_experts"] = config.n_routed_experts
+        splits["moe_intermediate_size * n_shared_experts"] = config.moe_intermediate_size * config.n_shared_experts
+    for field, value in splits.items():
+        if value % tp_size:
+            raise ValueError(f"{field} = {value} is not divisible by tensor-parallel size {tp_size}")
+
+
 def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of latent cache per token over all layers (replicated on every tensor-parallel rank)."""
+    """Bytes of latent cache per token over all layers (replicated on every tensor-parallel rank);
+    `dtype` is the cache's (torch.float8_e4m3fn for the FP8 cache: one byte per value, one global scale)."""
     return config.num_hidden_layers * config.kv_cache_dim * torch.empty((), dtype=dtype).element_size()

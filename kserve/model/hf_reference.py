@@ -42,7 +42,7 @@ def build_hf_reference(model_dir: str | Path, dtype: torch.dtype = torch.float32
         model = DeepseekV3ForCausalLM(hf_config(model_dir))
     state: dict[str, torch.Tensor] = {}
     inter = config.moe_intermediate_size
-    for spec, tensor, _ in iter_checkpoint(model_dir, config, torch.float32):
+    for spec, tensor in iter_checkpoint(model_dir, config, torch.float32):
         m = _EXPERT.match(spec.name)
         if not m:
             state[spec.name] = tensor

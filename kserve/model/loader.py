@@ -1,16 +1,30 @@
 """Load a Kimi K2 / DeepSeek-V3 checkpoint (Moonshot's published layout) into `KimiK2ForCausalLM`.
 
-Shards are opened lazily; tensors are read one at a time, FP8 blocks dequantized, and copied into
-preallocated parameters by each parameter's `weight_loader` (which slices its own TP shard), so no
-second full copy of the weights is ever held. Rotary `inv_freq` buffers and MTP layers
-(index >= num_hidden_layers) are skipped.
+`load_model(dir, device, dtype, parallel, weights="fp8")`:
+- `weights="fp8"` (the default): every FP8 tensor of the checkpoint is stored as it is, float8_e4m3fn
+  plus its fp32 `weight_scale_inv`, from the file to the forward (kv_b_proj alone is dequantized at
+  load, for the absorbed MLA path: about 0.05% of K2's weights).
+- `weights="dequantized"`: FP8 tensors are dequantized at load into the model dtype (references,
+  parity tests).
+
+Each parameter names the part of the checkpoint tensor it holds (`param.checkpoint_slice`); the loader
+reads exactly that slice with safetensors' `get_slice` (and only this rank's experts), so a rank of N
+reads about 1/N of every split tensor. Shards are opened one at a time and unmapped when done;
+tensors are read one at a time and copied into the preallocated parameters (`param.weight_loader`),
+so loading holds the model plus one tensor in flight (plus one mapped shard on the host). Non-FP8
+tensors are copied straight into their parameter's dtype, never through the model dtype: the fp32
+router bias arrives bit-exact. Rotary `inv_freq` buffers and MTP layers (index >= num_hidden_layers)
+are skipped. The returned model carries a `LoadReport` as `model.load_report`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -20,15 +34,52 @@ from tqdm import tqdm
 from kserve.config import ModelConfig
 from kserve.distributed import ParallelState
 from kserve.kernels.fp8_dequant import dequantize_blocks, scale_shape
-from kserve.model.deepseek_v3 import KimiK2ForCausalLM
+from kserve.model.deepseek_v3 import WEIGHT_MODES, KimiK2ForCausalLM
 from kserve.model.weights_layout import FP8, TensorSpec, checkpoint_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_SAFETENSORS_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
+_DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+logger = logging.getLogger("kserve.model.loader")
+
+Slices = tuple[slice, ...]
 
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match its config: the message names the tensor and the file."""
+
+
+@dataclass
+class LoadReport:
+    """What one rank read. `bytes_split` counts tensors this rank reads only a part of (tensor- or
+    expert-parallel splits, only local experts); `bytes_whole` those every rank reads whole."""
+
+    tp_rank: int
+    tp_size: int
+    bytes_read: int = 0
+    bytes_split: int = 0
+    bytes_whole: int = 0
+    tensors_read: int = 0
+    largest_tensor_bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, tensor: torch.Tensor, split: bool) -> None:
+        n = tensor.numel() * tensor.element_size()
+        self.bytes_read += n
+        if split:
+            self.bytes_split += n
+        else:
+            self.bytes_whole += n
+        self.tensors_read += 1
+        self.largest_tensor_bytes = max(self.largest_tensor_bytes, n)
 
 
 def read_weight_map(model_dir: Path) -> dict[str, str]:
@@ -46,7 +97,8 @@ def read_weight_map(model_dir: Path) -> dict[str, str]:
 
 
 class ShardReader:
-    """Opens each shard once, on first use; reads single tensors with their shape and dtype checked."""
+    """Opens each shard once, on first use; reads single tensors (or slices of them) with their shape
+    and dtype checked before any data is read."""
 
     def __init__(self, model_dir: Path, weight_map: dict[str, str], stack: contextlib.ExitStack):
         self.model_dir = model_dir
@@ -71,67 +123,54 @@ class ShardReader:
             raise CheckpointError(f"{what} {name!r} is missing from {self.model_dir / file}")
         return handle, file
 
-    def read(self, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...], what: str = "tensor") -> torch.Tensor:
+    def read(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtypes: tuple[torch.dtype, ...],
+        what: str = "tensor",
+        index: Slices | None = None,
+    ) -> torch.Tensor:
+        """The tensor `name` (which must have `shape` and one of `dtypes`), or only `index` of it."""
         handle, file = self._handle(name, what)
-        got = tuple(handle.get_slice(name).get_shape())
+        view = handle.get_slice(name)
+        got = tuple(view.get_shape())
         if got != tuple(shape):
             raise CheckpointError(f"{what} {name!r} in {file} has shape {list(got)}, expected {list(shape)}")
-        tensor = handle.get_tensor(name)
-        if tensor.dtype not in dtypes:
-            raise CheckpointError(f"{what} {name!r} in {file} has dtype {tensor.dtype}, expected one of {dtypes}")
-        return tensor
+        dtype = _SAFETENSORS_DTYPES.get(view.get_dtype())
+        if dtype not in dtypes:
+            shown = dtype if dtype is not None else view.get_dtype()
+            raise CheckpointError(f"{what} {name!r} in {file} has dtype {shown}, expected one of {dtypes}")
+        if index is None or all(s == slice(None) for s in index):
+            return handle.get_tensor(name)
+        return view[index]
 
 
-def _read_spec(
-    reader: ShardReader, spec: TensorSpec, config: ModelConfig, out_dtype: torch.dtype, device: torch.device,
-    keep_fp8: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(tensor, scale) as the model uses them, on `device`.
-
-    FP8 weights are dequantized there (Triton on CUDA) and scale is None, unless `keep_fp8`, in which
-    case the raw float8 weight and its fp32 scale are returned. Other tensors are converted to `out_dtype`.
-    """
-    if spec.kind == FP8:
-        weight = reader.read(spec.name, spec.shape, (torch.float8_e4m3fn,), "fp8 weight").to(device)
-        block = config.quantization_config.weight_block_size
-        scale = reader.read(spec.scale_name, scale_shape(spec.shape, block), (torch.float32,), "fp8 scale").to(device)
-        if keep_fp8:
-            return weight, scale
-        return dequantize_blocks(weight, scale, block, out_dtype), None
-    allowed = (torch.bfloat16, torch.float16, torch.float32)
-    return reader.read(spec.name, spec.shape, allowed).to(device=device, dtype=out_dtype), None
+def block_slices(index: Slices | None, full_shape: tuple[int, ...], block: tuple[int, int]) -> Slices | None:
+    """The scale blocks covering `index` of a weight of `full_shape` (None = all of them)."""
+    if index is None:
+        return None
+    out = []
+    for s, size, b in zip(index, full_shape, block):
+        start, stop, _ = s.indices(size)
+        out.append(slice(start // b, -(-stop // b)))
+    return tuple(out)
 
 
-def iter_checkpoint(
-    model_dir: str | Path,
-    config: ModelConfig,
-    dtype: torch.dtype = torch.float32,
-    skip: Callable[[TensorSpec], bool] = lambda spec: False,
-    device: torch.device | str = "cpu",
-    keep_fp8: Callable[[TensorSpec], bool] = lambda spec: False,
-) -> Iterator[tuple[TensorSpec, torch.Tensor, torch.Tensor | None]]:
-    """Yield (spec, tensor, scale) for every expected tensor, one at a time, with a progress bar.
+def dequantize_slice(
+    weight: torch.Tensor, scale: torch.Tensor, offsets: tuple[int, int], block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """Dequantize a weight slice whose first element sits `offsets` into its first scale block."""
+    if offsets == (0, 0):
+        return dequantize_blocks(weight, scale, block, dtype)
+    rows, cols = weight.shape
+    r0, c0 = offsets
+    expanded = scale.float().repeat_interleave(block[0], 0)[r0 : r0 + rows].repeat_interleave(block[1], 1)[:, c0 : c0 + cols]
+    return (weight.float() * expanded).to(dtype)
 
-    `scale` is None unless `keep_fp8(spec)` kept an FP8 weight quantized.
-    """
-    model_dir = Path(model_dir)
-    weight_map = read_weight_map(model_dir)
-    specs = [s for s in checkpoint_tensors(config) if not skip(s)]
-    for spec in specs:  # fail before reading anything when the index lacks a tensor
-        for name, what in [(spec.name, "tensor")] + ([(spec.scale_name, "fp8 scale")] if spec.kind == FP8 else []):
-            if name not in weight_map:
-                raise CheckpointError(f"{what} {name!r} is missing: not listed in {model_dir / INDEX_FILE}")
-    # Shard by shard, unmapping each when done, so at most one shard's pages stay resident.
-    by_shard: dict[str, list[TensorSpec]] = {}
-    for spec in specs:
-        by_shard.setdefault(weight_map[spec.name], []).append(spec)
-    with tqdm(total=len(specs), desc=f"loading {model_dir.name}", unit="tensor", disable=None, leave=False) as bar:
-        for shard_specs in by_shard.values():
-            with contextlib.ExitStack() as stack:
-                reader = ShardReader(model_dir, weight_map, stack)
-                for spec in shard_specs:
-                    yield (spec, *_read_spec(reader, spec, config, dtype, torch.device(device), keep_fp8(spec)))
-                    bar.update(1)
+
+def _is_partial(index: Slices | None, shape: tuple[int, ...]) -> bool:
+    return index is not None and any(s.indices(n) != (0, n, 1) for s, n in zip(index, shape))
 
 
 def _target(spec: TensorSpec) -> tuple[str, dict]:
@@ -143,26 +182,124 @@ def _target(spec: TensorSpec) -> tuple[str, dict]:
     return param, {"expert_id": int(m.group(2)), "shard_id": m.group(3)}
 
 
-def load_weights(model: KimiK2ForCausalLM, model_dir: str | Path) -> None:
+def _check_listed(specs: list[TensorSpec], weight_map: dict[str, str], model_dir: Path) -> None:
+    """Fail before reading anything when the index lacks a tensor or an FP8 weight's scale."""
+    for spec in specs:
+        for name, what in [(spec.name, "tensor")] + ([(spec.scale_name, "fp8 scale")] if spec.kind == FP8 else []):
+            if name not in weight_map:
+                raise CheckpointError(f"{what} {name!r} is missing: not listed in {model_dir / INDEX_FILE}")
+
+
+def _by_shard(specs: list[TensorSpec], weight_map: dict[str, str]) -> dict[str, list[TensorSpec]]:
+    by_shard: dict[str, list[TensorSpec]] = {}
+    for spec in specs:
+        by_shard.setdefault(weight_map[spec.name], []).append(spec)
+    return by_shard
+
+
+def load_weights(model: KimiK2ForCausalLM, model_dir: str | Path) -> LoadReport:
+    """Fill `model`'s parameters from the checkpoint, reading only this rank's slices."""
+    model_dir = Path(model_dir)
+    config = model.config
+    parallel: ParallelState = model.parallel
     params = dict(model.named_parameters())
     experts = {name: mod for name, mod in model.named_modules() if name.endswith("mlp.experts")}
-    dtype, device = model.lm_head.weight.dtype, model.lm_head.weight.device
+    block = tuple(config.quantization_config.weight_block_size) if config.quantization_config else (128, 128)
+    report = LoadReport(parallel.tp_rank, parallel.tp_size)
+    start_time = time.perf_counter()
 
-    def not_ours(spec: TensorSpec) -> bool:
+    def ours(spec: TensorSpec) -> bool:
         m = _EXPERT.match(spec.name)
-        return m is not None and not experts[m.group(1)].owns(int(m.group(2)))
+        return m is None or experts[m.group(1)].owns(int(m.group(2)))
 
-    def stored_fp8(spec: TensorSpec) -> bool:
-        return params[_target(spec)[0]].dtype == torch.float8_e4m3fn
+    weight_map = read_weight_map(model_dir)
+    specs = [s for s in checkpoint_tensors(config) if ours(s)]
+    _check_listed(specs, weight_map, model_dir)
+    bar = tqdm(total=len(specs), desc=f"loading {model_dir.name}", unit="tensor", disable=None, leave=False)
+    with bar:
+        # Shard by shard, unmapping each when done, so at most one shard's pages stay mapped.
+        for shard_specs in _by_shard(specs, weight_map).values():
+            with contextlib.ExitStack() as stack:
+                reader = ShardReader(model_dir, weight_map, stack)
+                for spec in shard_specs:
+                    name, extra = _target(spec)
+                    param = params.get(name)
+                    if param is None:
+                        raise CheckpointError(f"tensor {spec.name!r} has no parameter {name!r} in the model")
+                    index: Slices | None = getattr(param, "checkpoint_slice", None)
+                    split = (bool(extra) and parallel.is_parallel) or _is_partial(index, spec.shape)
+                    if spec.kind == FP8:
+                        _load_fp8(reader, spec, param, params, name, extra, index, block, report, split)
+                    else:
+                        tensor = reader.read(spec.name, spec.shape, _DENSE_DTYPES, "tensor", index)
+                        report.add(tensor, split)
+                        param.weight_loader(param, tensor, **extra)
+                        del tensor
+                    bar.update(1)
+    report.seconds = time.perf_counter() - start_time
+    logger.info(
+        "rank %d/%d read %.2f GiB in %d tensors (%.2f GiB of split tensors, %.2f GiB replicated) in %.1f s",
+        report.tp_rank, report.tp_size, report.bytes_read / 2**30, report.tensors_read,
+        report.bytes_split / 2**30, report.bytes_whole / 2**30, report.seconds,
+    )
+    return report
 
-    for spec, tensor, scale in iter_checkpoint(model_dir, model.config, dtype, not_ours, device, stored_fp8):
-        name, extra = _target(spec)
-        param = params[name]
-        param.weight_loader(param, tensor if scale is not None else tensor.to(param.dtype), **extra)
-        if scale is not None:
-            scale_param = params[name + "_scale_inv" if extra else spec.scale_name]
-            scale_param.weight_loader(scale_param, scale, **extra)
-        del tensor, scale
+
+def _load_fp8(
+    reader: ShardReader,
+    spec: TensorSpec,
+    param: torch.nn.Parameter,
+    params: dict[str, torch.nn.Parameter],
+    name: str,
+    extra: dict,
+    index: Slices | None,
+    block: tuple[int, int],
+    report: LoadReport,
+    split: bool,
+) -> None:
+    weight = reader.read(spec.name, spec.shape, (torch.float8_e4m3fn,), "fp8 weight", index)
+    scale_index = block_slices(index, spec.shape, block)
+    scale = reader.read(spec.scale_name, scale_shape(spec.shape, block), (torch.float32,), "fp8 scale", scale_index)
+    report.add(weight, split)
+    report.add(scale, split)
+    if param.dtype == torch.float8_e4m3fn:
+        scale_param = params.get(name + "_scale_inv" if extra else spec.scale_name)
+        if scale_param is None:
+            raise CheckpointError(f"fp8 weight {spec.name!r} loads into {name!r}, which has no scale parameter")
+        param.weight_loader(param, weight, **extra)
+        scale_param.weight_loader(scale_param, scale, **extra)
+        return
+    # A parameter in a wider dtype: dequantize this slice on the target device.
+    offsets = (0, 0) if index is None else tuple(s.indices(n)[0] % b for s, n, b in zip(index, spec.shape, block))
+    device = param.device
+    dense = dequantize_slice(weight.to(device), scale.to(device), offsets, block, param.dtype)
+    del weight, scale
+    param.weight_loader(param, dense, **extra)
+
+
+def iter_checkpoint(
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    skip: Callable[[TensorSpec], bool] = lambda spec: False,
+) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+    """Yield (spec, full tensor) for every expected tensor, FP8 ones dequantized to `dtype` and the
+    others converted to it, one at a time (for references such as hf_reference.py)."""
+    model_dir = Path(model_dir)
+    weight_map = read_weight_map(model_dir)
+    specs = [s for s in checkpoint_tensors(config) if not skip(s)]
+    _check_listed(specs, weight_map, model_dir)
+    block = tuple(config.quantization_config.weight_block_size) if config.quantization_config else (128, 128)
+    for shard_specs in _by_shard(specs, weight_map).values():
+        with contextlib.ExitStack() as stack:
+            reader = ShardReader(model_dir, weight_map, stack)
+            for spec in shard_specs:
+                if spec.kind == FP8:
+                    weight = reader.read(spec.name, spec.shape, (torch.float8_e4m3fn,), "fp8 weight")
+                    scale = reader.read(spec.scale_name, scale_shape(spec.shape, block), (torch.float32,), "fp8 scale")
+                    yield spec, dequantize_blocks(weight, scale, block, dtype)
+                else:
+                    yield spec, reader.read(spec.name, spec.shape, _DENSE_DTYPES).to(dtype)
 
 
 def load_model(
@@ -171,13 +308,16 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     parallel: ParallelState = ParallelState(),
     *,
-    keep_fp8: bool = False,
+    weights: str = "fp8",
 ) -> KimiK2ForCausalLM:
-    """`keep_fp8=True` keeps block-aligned FP8 weights quantized (dequantized per forward)."""
+    """Build the model for this rank and load its slice of the checkpoint (see the module docstring
+    for `weights`). The model's `load_report` says how many bytes this rank read."""
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
     config = ModelConfig.from_model_dir(model_dir)
-    model = KimiK2ForCausalLM(config, parallel, dtype=dtype, device=device, keep_fp8=keep_fp8)
-    load_weights(model, model_dir)
+    model = KimiK2ForCausalLM(config, parallel, dtype=dtype, device=device, weights=weights)
+    model.load_report = load_weights(model, model_dir)
     return model.eval()
 
 
-__all__ = ["CheckpointError", "iter_checkpoint", "load_model", "load_weights", "read_weight_map"]
+__all__ = ["CheckpointError", "LoadReport", "iter_checkpoint", "load_model", "load_weights", "read_weight_map"]
