@@ -119,6 +119,7 @@ class LLMEngine:
         from kserve.chat import load_tokenizer
         from kserve.model import load_model
         from kserve.model.deepseek_v3 import check_tensor_parallel
+
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         if config.model is None:
