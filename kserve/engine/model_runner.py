@@ -25,6 +25,20 @@ from kserve.model.forward_batch import ForwardBatch
 logger = logging.getLogger(__name__)
 
 
+# CUDA-graph pools are captured after the cache is allocated, so the profile cannot see them.
+CUDA_GRAPH_RESERVE_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """One rank's device memory after loading, measured by `profile_memory`."""
+
+    total_bytes: int
+    weights_bytes: int  # allocated by torch before the profiling forward (the loaded model)
+    peak_activation_bytes: int  # the forward's peak allocation above the weights (its scratch cache excluded)
+    non_torch_bytes: int  # used on the device outside torch's allocator (CUDA context, NCCL, cuBLAS)
+
+
 def num_kv_blocks_for(
     config: EngineConfig, bytes_per_token: int, device: torch.device, profile: MemoryProfile | None = None
 ) -> int:
