@@ -66,7 +66,6 @@ hit expert's weights once (3 * I * H bytes = 42 MiB per expert in fp8, 2 GiB for
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass
 
@@ -205,11 +204,11 @@ def _grouped_mm_fits(shape: MoeShape, compute_dtype: torch.dtype) -> bool:
 
 
 def _use_gather_strategy(shape: MoeShape, quantized: bool) -> bool:
-    """Gather each pair's weights when that copies less than the grouped path touches.
+    """Gather each pair's weights only when that widens fewer weights than the grouped path does.
 
-    FP8: the grouped path dequantizes all E_local experts; gathering dequantizes one expert per pair.
-    Dense: the grouped path copies no weights, but its sort/offset bookkeeping and per-group GEMM setup
-    dominate for a handful of pairs (see benchmarks/bench_fused_moe.py for the measured crossover)."""
+    FP8: the grouped path dequantizes all E_local experts, gathering one expert per pair; at P = E/2
+    gathering was still ahead on the tiny model, at P = E it was 2x behind. Dense: the grouped path copies
+    no weights at all, and gathering (a weight copy per pair) measured 2x to 100x slower, even at T=1."""
     if quantized:
         return 2 * shape.num_pairs <= shape.num_experts
     return False
@@ -253,7 +252,6 @@ def fused_moe_torch(
     device = x.device
     local = topk_ids.reshape(pairs).long() - first_expert
     is_local = (local >= 0) & (local < experts)
-    token_of_pair = torch.arange(pairs, device=device) // top_k
     a = _quantized_activation(x, block[1]) if quantized else x
 
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -269,21 +267,21 @@ def fused_moe_torch(
             w2_p = _dequantize_experts(w2_p, w2_scale[expert], block)
         else:
             w13_p, w2_p = w13_p.to(compute_dtype), w2_p.to(compute_dtype)
-        a_p = a[token_of_pair].to(compute_dtype).unsqueeze(-1)  # [P, H, 1]
+        a_p = a.to(compute_dtype).repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [P, H, 1]
         h = silu_mul(torch.bmm(w13_p, a_p).squeeze(-1))
         y = torch.bmm(w2_p, h.to(compute_dtype).unsqueeze(-1)).squeeze(-1)  # [P, H]
     else:
         # Remote pairs get key E and sort after every local segment, past the last offset.
         key = torch.where(is_local, local, experts)
-        order = torch.sort(key, stable=True).indices
-        counts = torch.zeros(experts + 1, dtype=torch.long, device=device).scatter_add_(0, key, torch.ones_like(key))
-        offsets = torch.cumsum(counts[:experts], 0).to(torch.int32)
+        sorted_key, order = torch.sort(key, stable=True)
+        # offsets[e] = end of expert e's segment = number of keys <= e.
+        offsets = torch.searchsorted(sorted_key, torch.arange(experts, device=device), right=True, out_int32=True)
         if quantized:
             w13_all = _dequantize_experts(w13, w13_scale, block)
             w2_all = _dequantize_experts(w2, w2_scale, block)
         else:
             w13_all, w2_all = w13.to(compute_dtype).contiguous(), w2.to(compute_dtype).contiguous()
-        a_sorted = a[token_of_pair[order]].to(compute_dtype)
+        a_sorted = a[order // top_k].to(compute_dtype)
         h = silu_mul(torch._grouped_mm(a_sorted, w13_all.transpose(1, 2), offs=offsets))
         y_sorted = torch._grouped_mm(h.to(compute_dtype), w2_all.transpose(1, 2), offs=offsets)
         y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
