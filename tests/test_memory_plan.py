@@ -131,3 +131,30 @@ def test_plan_explains_what_does_not_fit(k2_config):
     assert not full_context.fits and "fewer than one 131,072-token sequence" in full_context.why
     with pytest.raises(ValueError, match="num_attention_heads = 64 .* 7"):
         plan_memory(k2_config, 7, 140 * GIB)
+
+
+def test_rank0_runs_a_profiling_forward_alone(tiny_k2_dir):
+    """The engine profiles memory on rank 0 only: with its collectives stubbed, a rank-0-of-2 model
+    (no process group at all) runs a whole step, logits included, with full-size outputs."""
+    from kserve.distributed import ParallelState
+    from kserve.engine.model_runner import local_collectives
+    from kserve.model import ForwardBatch, load_model
+
+    model = load_model(tiny_k2_dir, parallel=ParallelState(0, 2))
+    c = model.config
+    cache = torch.zeros(c.num_hidden_layers, 2, 16, c.kv_cache_dim)
+    with local_collectives(model):
+        hidden = model(torch.arange(20), ForwardBatch.contiguous([20], [20], 16), cache)
+        logits = model.compute_logits(hidden[-3:])
+    assert logits.shape == (3, c.vocab_size) and hidden.shape == (20, c.hidden_size)
+    assert all(m.parallel.collectives for m in model.modules() if hasattr(m, "parallel"))
+
+
+def test_cpu_cache_blocks_from_the_byte_budget():
+    from kserve.config import EngineConfig
+    from kserve.engine.model_runner import num_kv_blocks_for
+
+    config = EngineConfig(kv_cache_cpu_bytes=1 << 20, block_size=16)
+    # 1 MiB / (1000 B x 16) = 65 blocks, one of them the runner's scratch block
+    assert num_kv_blocks_for(config, 1000, torch.device("cpu")) == 64
+    assert num_kv_blocks_for(EngineConfig(num_kv_blocks=7), 1000, torch.device("cpu")) == 7

@@ -11,9 +11,10 @@ chunk ends at the sequence's last token go through the LM head.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -76,14 +77,22 @@ def num_kv_blocks_for(
     return max(1, kv_blocks_for_budget(config.kv_cache_cpu_bytes, bytes_per_token, config.block_size, reserved_blocks=1))
 
 
-def _swap_parallel(model: Any, parallel_for: Any) -> list[tuple[Any, Any]]:
+@contextlib.contextmanager
+def local_collectives(model: Any) -> Iterator[None]:
+    """Within the block, every module's `parallel` state has its collectives replaced by local
+    stand-ins of the same shapes (`ParallelState.without_collectives`): one rank can run a forward
+    alone, e.g. to measure memory. The numbers it computes are meaningless."""
     swapped = []
     for module in model.modules():
         state = getattr(module, "parallel", None)
         if state is not None and hasattr(state, "without_collectives"):
             swapped.append((module, state))
-            module.parallel = parallel_for(state)
-    return swapped
+            module.parallel = state.without_collectives()
+    try:
+        yield
+    finally:
+        for module, state in swapped:
+            module.parallel = state
 
 
 @torch.inference_mode()
@@ -112,16 +121,12 @@ def profile_memory(
         dtype=kv_cache_dtype, device=device,
     )
     cache_bytes = cache.numel() * cache.element_size()
-    swapped = _swap_parallel(model, lambda state: state.without_collectives())
-    try:
+    with local_collectives(model):
         batch = ForwardBatch.contiguous([tokens], [tokens], config.block_size, device=device)
         ids = torch.randint(0, model_config.vocab_size, (tokens,), device=device)
         hidden = model(ids, batch, cache)
         model.compute_logits(hidden[-min(config.max_num_seqs, tokens):])
         torch.cuda.synchronize(device)
-    finally:
-        for module, state in swapped:
-            module.parallel = state
     peak = torch.cuda.max_memory_allocated(device)
     del cache, hidden, batch, ids
     torch.cuda.empty_cache()
