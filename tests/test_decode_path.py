@@ -17,6 +17,7 @@ import torch
 
 from kserve.engine.model_runner import ModelRunner, decode_batch_buckets
 from kserve.engine.scheduler import ScheduledSeq
+from kserve.layers.mla_attention import varlen_causal_attention
 from kserve.model import ForwardBatch, load_model
 
 BLOCK = 16
@@ -75,11 +76,37 @@ def test_forward_batch_split_and_context_slots() -> None:
     assert prefill.context_slots.tolist() == [24, 25, 26, 27, 8, 9, 10, 36, 37]
     assert batch.block_tables.tolist() == [[7, 1, 3, 8, 4, 5], [6, 2, -1, -1, -1, -1], [9, -1, -1, -1, -1, -1]]
     assert batch.query_start_loc.tolist() == [0, 1, 4, 6]
+    # one SDPA call for both prefills: block-diagonal, causal at the end of each context
+    want = torch.zeros(5, 9, dtype=torch.bool)
+    for j, pos in enumerate((4, 5, 6)):
+        want[j, : pos + 1] = True
+    want[3, 7] = True
+    want[4, 7:9] = True
+    assert torch.equal(prefill.dense_mask, want)
     # a one-token sequence after a prefill goes with the prefills (correct, just not the fast path)
     late = ForwardBatch.contiguous([3, 1], [3, 9], 4)
     assert late.num_decode_seqs == 0 and late.prefill.query_lens == (3, 1)
     with pytest.raises(ValueError, match="sequence 0"):
         ForwardBatch.build(positions=[0], slots=[0], block_tables=[[0]], query_lens=[1], context_lens=[9], block_size=4)
+
+
+def test_prefill_attention_one_masked_call_equals_per_sequence_calls() -> None:
+    query_lens, context_lens = (3, 1, 6), (10, 1, 6)
+    batch = ForwardBatch.contiguous([1, *query_lens], [5, *context_lens], 4)
+    prefill = batch.prefill
+    assert prefill.dense_mask is not None
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(query_lens), 4, 24, generator=g)
+    k = torch.randn(sum(context_lens), 4, 24, generator=g)
+    v = torch.randn(sum(context_lens), 4, 16, generator=g)
+    args = (q, k, v, prefill.query_lens, prefill.context_lens, prefill.cu_seqlens_q, prefill.cu_seqlens_k, 0.2)
+    one_call = varlen_causal_attention(*args, prefill.dense_mask)
+    per_sequence = varlen_causal_attention(*args)
+    torch.testing.assert_close(one_call, per_sequence)
+    # each query's output is its own sequence's: perturbing another sequence's keys changes nothing
+    k2 = k.clone()
+    k2[10:] += 1.0
+    torch.testing.assert_close(varlen_causal_attention(q, k2, *args[2:], prefill.dense_mask)[:3], one_call[:3])
 
 
 def test_decode_buckets() -> None:

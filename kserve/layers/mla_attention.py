@@ -126,13 +126,15 @@ def varlen_causal_attention(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     scale: float,
+    dense_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for all prefill sequences of a step: q [Tq, H, D] (their new tokens, flat),
     k [Tk, H, D] and v [Tk, H, Dv] (their whole contexts, flat). Sequence i has query_lens[i] queries,
     the last of its context_lens[i] positions; the host lengths and their device cumulative sums
     (cu_seqlens_*, int32 [P + 1]) describe the same split.
 
-    One flash-attn varlen call on CUDA in fp16/bf16 when flash-attn is installed; otherwise SDPA over
+    One flash-attn varlen call on CUDA in fp16/bf16 when flash-attn is installed; otherwise one SDPA call
+    with `dense_mask` (the block-diagonal causal mask, when the runner built one) or SDPA over
     per-sequence views cut at offsets the runner computed on the host (no device reads).
     """
     flash = flash_attn_varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
@@ -147,6 +149,11 @@ def varlen_causal_attention(
         return out[..., :v_head]
     if len(query_lens) == 1:
         return causal_attention(q, k, v, scale)
+    if dense_mask is not None:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=dense_mask, scale=scale
+        )
+        return out.transpose(0, 1)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     q_start = k_start = 0
     for q_len, k_len in zip(query_lens, context_lens):

@@ -135,7 +135,8 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
         qry = torch.cat([q_nope, q_pe], dim=-1)
         return varlen_causal_attention(
-            qry, k, v, prefill.query_lens, prefill.context_lens, prefill.cu_seqlens_q, prefill.cu_seqlens_k, self.scale
+            qry, k, v, prefill.query_lens, prefill.context_lens, prefill.cu_seqlens_q, prefill.cu_seqlens_k, self.scale,
+            prefill.dense_mask,
         )
 
 

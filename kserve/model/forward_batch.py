@@ -27,6 +27,27 @@ import numpy as np
 import torch
 
 
+# Largest block-diagonal prefill mask (query tokens x context tokens) built for the SDPA fallback.
+DENSE_MASK_MAX_ELEMENTS = 1 << 20
+
+
+def block_causal_mask(
+    query_lens: tuple[int, ...], context_lens: tuple[int, ...], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
+) -> torch.Tensor:
+    """[sum(query_lens), sum(context_lens)] bool: query j of sequence i sees positions 0..context_lens[i] -
+    query_lens[i] + j of its own context and nothing of the others'. Device ops on host-known sizes."""
+    device = cu_seqlens_q.device
+    num_q, num_k = sum(query_lens), sum(context_lens)
+    seqs = torch.arange(len(query_lens), device=device)
+    q_lens = torch.tensor(query_lens, device=device)
+    k_lens = torch.tensor(context_lens, device=device)
+    q_seq = torch.repeat_interleave(seqs, q_lens, output_size=num_q)
+    k_seq = torch.repeat_interleave(seqs, k_lens, output_size=num_k)
+    q_pos = torch.arange(num_q, device=device) - cu_seqlens_q[q_seq] + (k_lens - q_lens)[q_seq]
+    k_pos = torch.arange(num_k, device=device) - cu_seqlens_k[k_seq]
+    return (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+
+
 @dataclass(frozen=True)
 class PrefillMetadata:
     """The prefill sequences of a step: sequences num_decode_seqs..num_seqs-1, tokens token_start.. of the batch.
@@ -43,6 +64,10 @@ class PrefillMetadata:
     cu_seqlens_q: torch.Tensor  # [P + 1] int32, query offsets relative to token_start
     cu_seqlens_k: torch.Tensor  # [P + 1] int32, offsets into context_slots
     context_slots: torch.Tensor  # [sum(context_lens)] int64, cache slot of every context position
+    # [num_tokens, num_context_tokens] bool, True where a query may attend: the block-diagonal causal
+    # mask for one SDPA call over all prefill sequences. Built only for several sequences whose mask
+    # stays small (DENSE_MASK_MAX_ELEMENTS); otherwise None and SDPA runs per sequence.
+    dense_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -149,13 +174,16 @@ class ForwardBatch:
                     for i in rows
                 ]
             )
+            cu_q_dev, cu_k_dev = dev(cu_q), dev(cu_k)
+            dense = len(p_query) > 1 and sum(p_query) * sum(p_context) <= DENSE_MASK_MAX_ELEMENTS
             prefill = PrefillMetadata(
                 token_start=int(query_start[num_decode]),
                 query_lens=p_query,
                 context_lens=p_context,
-                cu_seqlens_q=dev(cu_q),
-                cu_seqlens_k=dev(cu_k),
+                cu_seqlens_q=cu_q_dev,
+                cu_seqlens_k=cu_k_dev,
                 context_slots=dev(context_slots),
+                dense_mask=block_causal_mask(p_query, p_context, cu_q_dev, cu_k_dev) if dense else None,
             )
         return cls(
             positions=dev(np.asarray(positions, dtype=np.int64)),
