@@ -52,22 +52,37 @@ def clean(good: st.SearchStrategy) -> st.SearchStrategy:
     return good
 
 
+# Fields that are valid alone but refused in combinations a clean body should not need (stream_options
+# without stream, suffix, best_of != n, echo with logprobs, top_logprobs without logprobs, tool turns).
+NOISY_ONLY = frozenset({"stream_options", "suffix", "best_of", "echo", "top_logprobs", "tool_calls", "tool_call_id",
+                        "name", "unknown_field"})
+
+
+def only_noisy(field: Any, fields: dict[str, st.SearchStrategy]) -> dict[str, st.SearchStrategy]:
+    return fields if field is noisy else {k: v for k, v in fields.items() if k not in NOISY_ONLY}
+
+
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": SCHEMA}}
 # max_tokens is small, or invalid: never a large valid budget, nor null (= the whole context), so the run stays short
-max_tokens = st.one_of(small_int, small_int, small_int, st.sampled_from([0, -5, "8", 2.5, [1], -(2**63)]))
+bad_max_tokens = st.sampled_from([0, -5, "8", 2.5, [1], -(2**63)])
+
+
+def max_tokens_for(field: Any) -> st.SearchStrategy:
+    return small_int if field is clean else st.one_of(small_int, small_int, bad_max_tokens)
 model = st.sampled_from(["MODEL"] * 9 + ["gpt-x"])
 
 
 def sampling(field: Any) -> dict[str, st.SearchStrategy]:
     return {
-        "temperature": field(st.floats(min_value=0, max_value=2)), "top_p": field(unit),
+        "temperature": field(st.floats(min_value=0, max_value=2)), "top_p": field(st.floats(min_value=0.01, max_value=1)),
         "top_k": field(st.integers(-1, 50)), "min_p": field(unit), "n": field(st.integers(1, 3)),
         "seed": field(st.integers(-(2**63), 2**63 - 1)), "presence_penalty": field(st.floats(-2, 2)),
         "frequency_penalty": field(st.floats(-2, 2)), "repetition_penalty": field(st.floats(0.5, 2)),
-        "min_tokens": field(st.integers(0, 4)),
+        "min_tokens": field(st.integers(0, 1)),
         "stop": field(st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3)),
-        "logit_bias": field(st.dictionaries(st.integers(0, 3000).map(str), st.floats(-100, 100), max_size=3)),
+        "logit_bias": field(st.dictionaries(st.integers(0, 2000 if field is clean else 3000).map(str),
+                                            st.floats(-100, 100), max_size=3)),
         "ignore_eos": field(st.booleans()), "stream": st.booleans(), "user": field(st.text(max_size=5)),
         "unknown_field": junk,
     }
@@ -75,35 +90,38 @@ def sampling(field: Any) -> dict[str, st.SearchStrategy]:
 
 def chat_bodies(field: Any) -> st.SearchStrategy:
     message = st.fixed_dictionaries(
-        {"role": field(st.sampled_from(["user"] * 4 + ["system", "assistant", "developer", "tool", "robot"])),
+        {"role": field(st.sampled_from(["user"] * 4 + ["system", "assistant", "developer"]
+                                       + (["tool", "robot"] if field is noisy else []))),
          "content": field(st.text(max_size=40) | st.just([{"type": "text", "text": "hi"}]))},
-        optional={"name": field(st.text(max_size=8)), "tool_call_id": field(st.text(max_size=8)),
-                  "tool_calls": field(st.just([{"id": "c1", "type": "function",
-                                                "function": {"name": "lookup", "arguments": '{"a": 1}'}}]))},
+        optional=only_noisy(field, {
+            "name": field(st.text(max_size=8)), "tool_call_id": field(st.text(max_size=8)),
+            "tool_calls": field(st.just([{"id": "c1", "type": "function",
+                                          "function": {"name": "lookup", "arguments": '{"a": 1}'}}]))}),
     )
     return st.fixed_dictionaries(
-        {"model": model, "max_tokens": max_tokens, "messages": field(st.lists(message, min_size=1, max_size=3))},
-        optional={**sampling(field), "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(0, 5)),
+        {"model": model, "max_tokens": max_tokens_for(field), "messages": field(st.lists(message, min_size=1, max_size=3))},
+        optional=only_noisy(field, {**sampling(field), "logprobs": field(st.booleans()),
+                  "top_logprobs": field(st.integers(0, 5)),
                   "tools": field(st.just([TOOL])),
                   "tool_choice": field(st.sampled_from(["auto", "none", "required",
                                                         {"type": "function", "function": {"name": "lookup"}}])),
                   "response_format": field(st.sampled_from([{"type": "json_object"}, {"type": "text"},
                                                             {"type": "json_schema",
                                                              "json_schema": {"name": "x", "schema": SCHEMA}}])),
-                  "parallel_tool_calls": field(st.booleans()), "max_completion_tokens": max_tokens,
-                  "stream_options": field(st.just({"include_usage": True}))},
+                  "parallel_tool_calls": field(st.booleans()), "max_completion_tokens": max_tokens_for(field),
+                  "stream_options": field(st.just({"include_usage": True}))}),
     )
 
 
 def completion_bodies(field: Any) -> st.SearchStrategy:
     return st.fixed_dictionaries(
-        {"model": model, "max_tokens": max_tokens,
-         "prompt": field(st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 3000), min_size=1, max_size=5)
+        {"model": model, "max_tokens": max_tokens_for(field),
+         "prompt": field(st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 2000 if field is clean else 3000), min_size=1, max_size=5)
                          | st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=3))},
-        optional={**sampling(field), "logprobs": field(st.integers(0, 5)), "echo": field(st.booleans()),
-                  "best_of": field(st.integers(1, 3)), "suffix": field(st.text(max_size=3)),
-                  "skip_special_tokens": field(st.booleans()),
-                  "stream_options": field(st.just({"include_usage": True}))},
+        optional=only_noisy(field, {
+            **sampling(field), "logprobs": field(st.integers(0, 5)), "echo": field(st.booleans()),
+            "best_of": field(st.integers(1, 3)), "suffix": field(st.text(max_size=3)),
+            "skip_special_tokens": field(st.booleans()), "stream_options": field(st.just({"include_usage": True}))}),
     )
 
 
