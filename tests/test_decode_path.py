@@ -213,3 +213,19 @@ def test_fp8_cache_prefill_and_decode_readers_agree(model, kv_scale) -> None:
     err = rel_err(absorbed, naive)
     print(f"fp8 cache (kv_scale {kv_scale}): naive vs absorbed max rel err {err:.3e}")
     assert err <= 1e-4
+
+
+def test_engine_serves_with_the_fp8_cache(tiny_k2_dir) -> None:
+    from kserve.config import EngineConfig
+    from kserve.engine.llm import LLM
+    from kserve.engine.llm_engine import LLMEngine
+    from kserve.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(tiny_k2_dir), device="cpu", dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=32)
+    engine = LLMEngine.from_config(config)
+    assert engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    out = LLM.from_engine(engine).generate(
+        [prompt(9, 12), prompt(20, 13)], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
+    assert [len(o.token_ids) for o in out] == [5, 5]
+    assert engine.stats().kv_blocks_used == 0

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-
 # Largest block-diagonal prefill mask (query tokens x context tokens) built for the SDPA fallback.
 DENSE_MASK_MAX_ELEMENTS = 1 << 20
 
