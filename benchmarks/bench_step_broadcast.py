@@ -42,7 +42,7 @@ def decode_step(batch: int, context: int, block_size: int) -> StepInputs:
     )
 
 
-def _receiver(rank: int, world: int, init_file: str, iters: int, conn) -> None:
+def _receiver(rank: int, world: int, init_file: str, iters: int, raw_numel: int, conn) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -50,6 +50,10 @@ def _receiver(rank: int, world: int, init_file: str, iters: int, conn) -> None:
     channel = StepChannel(control)
     ack = torch.zeros(1)
     for _ in range(iters):  # ack round trips alone
+        dist.all_reduce(ack, group=control)
+    raw = torch.empty(raw_numel, dtype=torch.int32)
+    for _ in range(iters):  # the payload alone, no packing
+        dist.broadcast(raw, 0, group=control)
         dist.all_reduce(ack, group=control)
     while True:
         message = channel.receive()
@@ -68,12 +72,13 @@ def _receiver(rank: int, world: int, init_file: str, iters: int, conn) -> None:
 
 def run(batch: int, context: int, block_size: int, ranks: int, iters: int) -> dict:
     step = decode_step(batch, context, block_size)
+    header, payload = pack_step(step)
     fd, init_file = tempfile.mkstemp(prefix="kserve-bench-")
     os.close(fd)
     os.unlink(init_file)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    procs = [ctx.Process(target=_receiver, args=(r, ranks, init_file, iters, child if r == 1 else None))
+    procs = [ctx.Process(target=_receiver, args=(r, ranks, init_file, iters, payload.numel(), child if r == 1 else None))
              for r in range(1, ranks)]
     for p in procs:
         p.start()
@@ -93,6 +98,12 @@ def run(batch: int, context: int, block_size: int, ranks: int, iters: int) -> di
 
     ack_ms = timed(lambda: dist.all_reduce(ack, group=control))
 
+    def raw_round() -> None:
+        dist.broadcast(payload, 0, group=control)
+        dist.all_reduce(ack, group=control)
+
+    raw_ms = timed(raw_round)
+
     def broadcast_round() -> None:
         channel.send_step(step)
         dist.all_reduce(ack, group=control)
@@ -100,8 +111,19 @@ def run(batch: int, context: int, block_size: int, ranks: int, iters: int) -> di
     broadcast_ms = timed(broadcast_round)
     channel.send_shutdown()
     pack_ms = timed(lambda: pack_step(step))
-    header, payload = pack_step(step)
     unpack_ms = timed(lambda: unpack_step(header, payload))
+    # what a receiver does next with the step: its ForwardBatch, from the broadcast's array tables or
+    # from the pickled lists (the baseline's)
+    from kserve.model.forward_batch import ForwardBatch
+
+    def build(inputs: StepInputs) -> None:
+        ForwardBatch.build(positions=inputs.positions, slots=inputs.slots, block_tables=inputs.block_tables,
+                           query_lens=inputs.query_lens, context_lens=inputs.context_lens,
+                           block_size=block_size, device=torch.device("cpu"))
+
+    received = unpack_step(header, payload)
+    build_broadcast_ms = timed(lambda: build(received))
+    build_lists_ms = timed(lambda: build(step))
 
     def pipe_round() -> None:
         parent.send(step)
@@ -119,9 +141,15 @@ def run(batch: int, context: int, block_size: int, ranks: int, iters: int) -> di
         "pack_ms": med(pack_ms), "unpack_ms": med(unpack_ms),
         "broadcast_round_ms": med(broadcast_ms), "ack_only_ms": med(ack_ms),
         "broadcast_ms_net_of_ack": med(broadcast_ms) - med(ack_ms),
+        "payload_only_round_ms": med(raw_ms),
         "pipe_pickle_round_ms (baseline)": med(pipe_ms),
+        "receiver_batch_build_ms": med(build_broadcast_ms),
+        "receiver_batch_build_ms (baseline, lists)": med(build_lists_ms),
     }
     result["ratio_broadcast_vs_pipe"] = result["broadcast_round_ms"] / result["pipe_pickle_round_ms (baseline)"]
+    result["ratio_with_receiver_build"] = (
+        (result["broadcast_round_ms"] + result["receiver_batch_build_ms"])
+        / (result["pipe_pickle_round_ms (baseline)"] + result["receiver_batch_build_ms (baseline, lists)"]))
     return result
 
 
