@@ -197,10 +197,12 @@ def _quantized_activation(a: torch.Tensor, group: int) -> torch.Tensor:
     return q.float() * scales.repeat_interleave(group, dim=1)[:, :cols]
 
 
-def _grouped_mm_fits(shape: MoeShape, compute_dtype: torch.dtype) -> bool:
-    """torch._grouped_mm needs every row stride to be a multiple of 16 bytes (H and I here)."""
+def _grouped_mm_fits(shape: MoeShape, compute_dtype: torch.dtype, device: torch.device) -> bool:
+    """torch._grouped_mm needs every row stride to be a multiple of 16 bytes (H and I here). Only its
+    CPU kernel takes fp32; on CUDA (reached only by FP8 weights before sm89) the torch path gathers."""
     size = torch.empty((), dtype=compute_dtype).element_size()
-    return (shape.hidden * size) % 16 == 0 and (shape.intermediate * size) % 16 == 0
+    aligned = (shape.hidden * size) % 16 == 0 and (shape.intermediate * size) % 16 == 0
+    return aligned and device.type == "cpu"
 
 
 def _use_gather_strategy(shape: MoeShape, quantized: bool) -> bool:
@@ -233,15 +235,15 @@ def fused_moe_torch(
     quantized = w13_scale is not None
     # FP8: GEMMs run in fp32 on the dequantized values (fp32 accumulation, like the kernel).
     compute_dtype = torch.float32 if quantized else x.dtype
-    fits = _grouped_mm_fits(shape, compute_dtype)
+    fits = _grouped_mm_fits(shape, compute_dtype, x.device)
     if strategy is None:
         strategy = "gather" if not fits or _use_gather_strategy(shape, quantized) else "grouped"
     if strategy not in ("gather", "grouped"):
         raise ValueError(f"unknown strategy {strategy!r}; expected 'gather' or 'grouped'")
     if strategy == "grouped" and not fits:
         raise ValueError(
-            f"the grouped strategy needs H={shape.hidden} and I={shape.intermediate} rows of a multiple of "
-            f"16 bytes in {compute_dtype}; use 'gather'"
+            f"the grouped strategy needs a CPU tensor and H={shape.hidden}, I={shape.intermediate} rows of a "
+            f"multiple of 16 bytes in {compute_dtype}; use 'gather'"
         )
     tokens, hidden, inter, experts, top_k = (
         shape.tokens, shape.hidden, shape.intermediate, shape.num_experts, shape.top_k
