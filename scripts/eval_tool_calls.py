@@ -1,0 +1,104 @@
+"""How often a served model calls the right tool with the right arguments, on held-out conversations.
+
+    python scripts/eval_tool_calls.py [MODEL_DIR] --count 200 --seed 1 [--base-url URL] [--json out.json]
+
+Without --base-url it starts `kserve serve MODEL_DIR` in this process on 127.0.0.1 with the defaults a
+user gets (tool_choice auto, default tool grammar). Each held-out conversation (scripts/gen_tool_data.py,
+split `heldout`, phrasings never used in training) is cut before the assistant turn under test and sent
+through the official `openai` client, greedy. Reported:
+- tool_call_rate: share of tool requests answered with finish_reason tool_calls naming the expected tools;
+- exact_args_rate: share of tool requests whose calls also carry exactly the expected arguments;
+- plain_stop_rate: share of plain chats answered with text ending in `stop` within 64 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gen_tool_data import generate  # noqa: E402
+
+
+def score(client: Any, model: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    tool_rows = [r for r in rows if r["expect"]["kind"] == "tool_calls"]
+    plain_rows = [r for r in rows if r["expect"]["kind"] == "text"]
+    right_tool = exact = plain_stop = 0
+    failures: list[dict[str, Any]] = []
+    for row in rows:
+        prompt = row["messages"][: row["eval_turn"]]
+        kwargs: dict[str, Any] = {"tools": row["tools"], "tool_choice": "auto"} if row["tools"] else {}
+        resp = client.chat.completions.create(model=model, messages=prompt, temperature=0.0,
+                                              max_tokens=64 if row["expect"]["kind"] == "text" else 256, **kwargs)
+        choice = resp.choices[0]
+        if row["expect"]["kind"] == "text":
+            ok = choice.finish_reason == "stop" and not choice.message.tool_calls
+            plain_stop += ok
+        else:
+            calls = choice.message.tool_calls or []
+            want = row["expect"]["calls"]
+            names_ok = choice.finish_reason == "tool_calls" and [c.function.name for c in calls] == [w["name"] for w in want]
+            right_tool += names_ok
+            args_ok = False
+            if names_ok:
+                try:
+                    args_ok = [json.loads(c.function.arguments) for c in calls] == [w["arguments"] for w in want]
+                except json.JSONDecodeError:
+                    args_ok = False
+            exact += args_ok
+            ok = args_ok
+        if not ok and len(failures) < 10:
+            failures.append({"prompt": prompt[-1]["content"], "expect": row["expect"],
+                             "got": {"finish_reason": choice.finish_reason, "content": choice.message.content,
+                                     "tool_calls": [c.model_dump() for c in choice.message.tool_calls or []]}})
+    return {
+        "tool_requests": len(tool_rows),
+        "plain_requests": len(plain_rows),
+        "tool_call_rate": right_tool / max(1, len(tool_rows)),
+        "exact_args_rate": exact / max(1, len(tool_rows)),
+        "plain_stop_rate": plain_stop / max(1, len(plain_rows)),
+        "failures": failures,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    import openai
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model_dir", nargs="?", default=None, help="default: the embedded model")
+    p.add_argument("--count", type=int, default=200)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--base-url", default=None, help="a running server's base URL (loopback)")
+    p.add_argument("--json", default=None, help="write the figures here")
+    args = p.parse_args(argv)
+
+    rows = generate(args.seed, args.count, "heldout")
+    server = None
+    base_url = args.base_url
+    if base_url is None:
+        from kserve.config import EngineConfig
+        from kserve.server.context import ServerSettings
+        from kserve.server.launch import BackgroundServer
+
+        server = BackgroundServer(ServerSettings(port=0, engine=EngineConfig(model=args.model_dir))).start()
+        base_url = server.base_url
+    try:
+        client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+        result = score(client, model, rows)
+    finally:
+        if server is not None:
+            server.stop()
+    summary = {k: v for k, v in result.items() if k != "failures"}
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
