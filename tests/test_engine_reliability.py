@@ -14,7 +14,7 @@ from test_engine_toy import TOY_VOCAB, CharTokenizer, make_toy_engine, run_to_co
 
 from kserve.engine.async_engine import AsyncLLMEngine
 from kserve.engine.block_manager import BlockManager
-from kserve.engine.errors import EngineDeadError
+from kserve.engine.errors import EngineDeadError, RequestFailedError
 from kserve.engine.faults import STEP_FAULTS_KEY, StepFaults
 from kserve.engine.sampler import Sampler, seeded_exponential
 from kserve.engine.sampling_params import SamplingParams
@@ -47,15 +47,15 @@ def test_failed_steps_are_retried_invisibly() -> None:
     clean.add_request("a", prompt(1), params)
     expected = run_to_completion(clean)["a"]
 
-    faults = StepFaults(fail_steps=2, armed=False)  # two in a row: one short of the limit
+    faults = StepFaults(fail_steps=1, armed=False)
     engine = faulty_engine(faults)
     engine.add_request("a", prompt(1), params)
     engine.step()
     engine.step()
     faults.armed = True
-    assert engine.step() == [] and engine.step() == [] and engine.consecutive_step_failures == 2
+    assert engine.step() == [] and engine.consecutive_step_failures == 1
     out = run_to_completion(engine)["a"]
-    assert faults.failed == 2 and engine.consecutive_step_failures == 0
+    assert faults.failed == 1 and engine.consecutive_step_failures == 0
     assert out.token_ids == expected.token_ids and out.text == expected.text
     assert engine.block_manager.num_used_blocks == 0
 
@@ -66,6 +66,44 @@ def test_consecutive_failed_steps_kill_the_engine() -> None:
     assert engine.step() == [] and engine.step() == []
     with pytest.raises(EngineDeadError, match="3 failed steps in a row"):
         engine.step()
+
+
+def test_a_request_that_breaks_every_step_fails_alone() -> None:
+    engine = make_toy_engine(tokenizer=CharTokenizer())
+    run = engine.runner.run
+
+    def breaks_on_poison(scheduled):
+        if any(item.seq.request_id == "poison" for item in scheduled):
+            raise RuntimeError("this prompt crashes the forward")
+        return run(scheduled)
+
+    engine.runner.run = breaks_on_poison
+    engine.add_request("poison", prompt(1), SHORT)
+    changed = []
+    for _ in range(4):
+        changed += engine.step()
+    (failed,) = [r for r in changed if r.request_id == "poison"]
+    assert isinstance(failed.error, RequestFailedError) and "crashes the forward" in str(failed.error)
+    assert engine.consecutive_step_failures == 0 and not engine.requests  # the probe ran and is gone
+    for again in range(3):  # poisoned requests one after another never add up to a dead engine
+        engine.add_request("poison", prompt(again), SHORT)
+        assert isinstance(run_collecting_errors(engine)["poison"], RequestFailedError)
+    engine.add_request("ok", prompt(2), SHORT)
+    out = run_to_completion(engine)
+    assert len(out["ok"].token_ids) == 4
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def run_collecting_errors(engine, max_steps: int = 1000) -> dict:
+    errors = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for request in engine.step():
+            if request.finished:
+                errors[request.request_id] = request.error
+    assert not engine.has_unfinished()
+    return errors
 
 
 def test_a_fatal_error_kills_the_engine_at_once() -> None:

@@ -12,6 +12,11 @@ class EngineDeadError(RuntimeError):
     """The engine's step loop has stopped for good; no request can be served any more."""
 
 
+class RequestFailedError(RuntimeError):
+    """The model step failed whenever it ran this request and worked without it: the request fails,
+    the engine goes on."""
+
+
 class FatalEngineError(RuntimeError):
     """An error after which the engine cannot run another step (a sticky device error, a lost worker)."""
 

@@ -18,7 +18,7 @@ import torch
 from kserve.config import EngineConfig, ModelConfig
 from kserve.engine.block_manager import BlockManager
 from kserve.engine.device import resolve_device, resolve_dtype
-from kserve.engine.errors import EngineDeadError, PromptRejected, is_fatal
+from kserve.engine.errors import EngineDeadError, PromptRejected, RequestFailedError, is_fatal
 from kserve.engine.faults import STEP_FAULTS_KEY
 from kserve.engine.model_runner import ModelRunner, num_kv_blocks_for, profile_memory, resolve_kv_cache_dtype
 from kserve.engine.output_processor import OutputProcessor
@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 # Model steps failing in a row before the engine declares itself dead (EngineConfig.extra can lower it).
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 MAX_FAILURES_KEY = "max_consecutive_step_failures"
+PROBE_PREFIX = "kserve-probe-"  # one-token requests the engine runs itself to test a failing model step
 
 
 def _is_token_id(value: Any, vocab: int) -> bool:
@@ -59,6 +60,7 @@ def _is_token_id(value: Any, vocab: int) -> bool:
 
 class LLMEngine:
     consecutive_step_failures = 0  # model steps failed in a row; a step that runs resets it
+    _suspects: dict[str, Exception] | None = None  # requests set aside after failed steps (see step())
 
     def __init__(
         self,
@@ -219,10 +221,13 @@ class LLMEngine:
         """Run one scheduled step; return the requests that changed (finished ones included).
 
         A model step that raises changes nothing: the same work is scheduled again next step (a
-        transient fault is invisible to requests). Raises EngineDeadError when the error is fatal
-        (`errors.is_fatal`) or `max_consecutive_step_failures` steps in a row failed: the engine can
-        serve no more. Per-request failures (a logits processor or grammar raising, a row with no
-        allowed token) fail only their request and never count here.
+        transient fault is invisible to requests). Before the last allowed retry the requests of the
+        failing step are set aside and the step runs without them (or, if nothing else waits, with a
+        one-token probe): if that works they were the cause and fail alone (RequestFailedError), so a
+        request can never kill the engine; if it fails too, that is `max_consecutive_step_failures`
+        in a row and EngineDeadError is raised (also at once for a fatal error, `errors.is_fatal`):
+        the engine can serve no more. Per-request failures (a logits processor or grammar raising, a
+        row with no allowed token) fail only their request and never count here.
         """
         out = self.scheduler.schedule()
         if not out.scheduled:
@@ -235,11 +240,16 @@ class LLMEngine:
             logits = self.runner.run(out.scheduled)
             self.scheduler.finish_step(out)
         except Exception as exc:  # noqa: BLE001 -- retried; the engine dies only if it keeps failing
-            return self._step_failed(exc)
+            return self._step_failed(out.scheduled, exc)
         self.consecutive_step_failures = 0
         sampled = self._sample(logits, sampling) if sampling else None
 
         changed: dict[str, Request] = {}
+        if self._suspects:  # the step ran without them: they made it fail
+            suspects, self._suspects = self._suspects, {}
+            for request_id, error in suspects.items():
+                for request in self.fail_requests({request_id}, error):
+                    changed[request_id] = request
         if sampled is not None:
             append_token = self.output_processor.append_token
             requests = self.requests
@@ -267,18 +277,36 @@ class LLMEngine:
     def max_consecutive_step_failures(self) -> int:
         return int(self.config.extra.get(MAX_FAILURES_KEY, MAX_CONSECUTIVE_STEP_FAILURES))
 
-    def _step_failed(self, exc: Exception) -> list[Request]:
+    def _step_failed(self, scheduled: list, exc: Exception) -> list[Request]:
         """Nothing the failed step did is kept (computed counts, prefix cache, samples); its blocks stay
         with their sequences, which `append_slots` reuses when the step is scheduled again."""
         self.consecutive_step_failures += 1
         count, limit = self.consecutive_step_failures, self.max_consecutive_step_failures
         fatal = is_fatal(exc)
-        if not fatal and count < limit:
-            logger.warning("model step failed (%d of %d in a row before the engine is declared dead); "
-                           "retrying: %s: %s", count, limit, type(exc).__name__, exc)
-            return []
-        why = "a fatal error" if fatal else f"{count} failed steps in a row"
-        raise EngineDeadError(f"the engine is dead after {why}; last error: {type(exc).__name__}: {exc}") from exc
+        if fatal or count >= limit:
+            why = "a fatal error" if fatal else f"{count} failed steps in a row"
+            raise EngineDeadError(f"the engine is dead after {why}; last error: {type(exc).__name__}: {exc}") from exc
+        logger.warning("model step failed (%d of %d in a row before the engine is declared dead); retrying: %s: %s",
+                       count, limit, type(exc).__name__, exc)
+        if count == limit - 1:
+            self._set_aside({item.seq.request_id for item in scheduled}, exc, count)
+        return []
+
+    def _set_aside(self, request_ids: set[str], exc: Exception, count: int) -> None:
+        """Take these requests out of scheduling; the next step tells whether they are the cause."""
+        error = RequestFailedError(f"the model step failed {count} times in a row while running this request, "
+                                   f"and ran without it: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        if self._suspects is None:
+            self._suspects = {}
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request_id.startswith(PROBE_PREFIX):
+                self.scheduler.abort(request.seqs)  # frees its blocks; it stays in self.requests
+                self._suspects[request_id] = error
+        if not self.scheduler.has_work():
+            probe = f"{PROBE_PREFIX}{next(self._arrivals)}"
+            self.add_request(probe, [0], SamplingParams(temperature=0.0, max_tokens=1))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample the batch; if that raises, sample row by row so only the failing rows fail."""

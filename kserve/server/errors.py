@@ -63,11 +63,14 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 
 def engine_error(exc: BaseException) -> APIError | None:
     """The client-facing error for an engine failure: 503 `engine_dead` once the engine is dead (the
-    server will not recover; /health says so); None for anything else."""
-    from kserve.engine.errors import EngineDeadError
+    server will not recover; /health says so), 500 `request_failed` for a request the model step kept failing
+    on (the engine goes on without it); None for anything else."""
+    from kserve.engine.errors import EngineDeadError, RequestFailedError
 
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine has stopped and cannot serve: {exc}", code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), code="request_failed")
     return None
 
 
