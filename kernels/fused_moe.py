@@ -23,6 +23,8 @@ Paths
     per expert segment from device-side offsets (it works on CPU in torch 2.13 for fp32/bf16/fp16;
     rows past the last offset come back uninitialized and are masked out). FP8 weights are dequantized
     whole once per call, which is what the per-expert loop ends up doing when every expert is hit.
+  FP8 dequantization on CPU moves e4m3 bits into float16 fields (exact, vectorized) instead of torch's
+  scalar fp8 cast, in cache-sized bands of 128 rows (a loop whose trip count comes from shapes only).
 - `fused_moe_triton` (kernels in fused_moe_triton_kernels.py): `align_pairs_to_experts` (torch ops,
   static sizes) sorts the pairs by local expert and pads every expert's segment to BLOCK_M (vLLM's
   moe_align_block_size idea); padding and remote pairs carry the sentinel id T*k, blocks past the last
@@ -166,12 +168,18 @@ def check_fused_moe_args(
 def _fp8_as_half_times_256(weight: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn values as float16 values 256 times smaller, exactly, by moving bits.
 
-    e4m3 (bias 7) sign/exponent/mantissa bits shifted into float16's (bias 15) fields give
-    value * 2^-8, subnormals included. This vectorizes on CPU where torch's fp8 -> fp32 cast is a scalar
-    loop (about 7x slower at the tiny model's sizes). NaN codes (absent from weights) are not kept."""
-    bits = weight.view(torch.uint8).to(torch.int16)
-    sign = torch.bitwise_and(bits, 0x80).bitwise_left_shift_(8)
-    return bits.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign).view(torch.float16)
+    e4m3 (bias 7) exponent/mantissa bits shifted into float16's (bias 15) fields give value * 2^-8,
+    subnormals included. Read as int8 and widened, the sign extends into bits 8-15; after the shift by 7
+    bit 15 is the sign and only bit 14 (fp16's top exponent bit) needs clearing. This vectorizes on CPU,
+    where torch's fp8 -> fp32 cast is a scalar loop (about 7x slower). NaN codes (absent from weights)
+    are not kept."""
+    bits = weight.view(torch.int8).to(torch.int16)
+    return bits.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16)
+
+
+# Dequantize this many weight elements at a time: a few MB of fp32, so the passes over a chunk (widen,
+# shift, convert, scale) stay in cache instead of each streaming the whole stack through memory.
+_DEQUANT_CHUNK_ELEMENTS = 1 << 20
 
 
 def _dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -179,15 +187,21 @@ def _dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, block: tuple[
     n, rows, cols = weight.shape
     b0, b1 = block
     scale = scale.float()
-    if weight.dtype == FP8_DTYPE:
-        values, scale = _fp8_as_half_times_256(weight).float(), scale * 256.0
-    else:  # a float container of fp8 values
-        values = weight.float().clone() if weight.dtype == torch.float32 else weight.float()
-    # In place: with every expert hit, this buffer is the largest thing the CPU path allocates.
-    if rows % b0 == 0 and cols % b1 == 0:
-        values.view(n, rows // b0, b0, cols // b1, b1).mul_(scale[:, :, None, :, None])
-        return values
-    return values.mul_(scale.repeat_interleave(b0, 1)[:, :rows].repeat_interleave(b1, 2)[:, :, :cols])
+    is_fp8 = weight.dtype == FP8_DTYPE
+    if rows % b0 or cols % b1:  # edge blocks: one pass over the whole stack with expanded scales
+        values = _fp8_as_half_times_256(weight).float() * 256.0 if is_fp8 else weight.float()
+        return values * scale.repeat_interleave(b0, 1)[:, :rows].repeat_interleave(b1, 2)[:, :, :cols]
+    # Bands of B0 rows across all experts, a fixed number of bands per step (sizes only, no data).
+    bands = n * (rows // b0)
+    out = torch.empty(bands, b0, cols, dtype=torch.float32, device=weight.device)
+    w_bands = weight.reshape(bands, b0, cols)
+    s_bands = scale.reshape(bands, cols // b1) * (256.0 if is_fp8 else 1.0)
+    step = max(1, _DEQUANT_CHUNK_ELEMENTS // (b0 * cols))
+    for start in range(0, bands, step):
+        part = slice(start, start + step)
+        out[part].copy_(_fp8_as_half_times_256(w_bands[part]) if is_fp8 else w_bands[part])
+        out[part].view(-1, b0, cols // b1, b1).mul_(s_bands[part, None, :, None])
+    return out.view(n, rows, cols)
 
 
 def _quantized_activation(a: torch.Tensor, group: int) -> torch.Tensor:

@@ -118,8 +118,11 @@ def test_torch_fp8_matches_pair_loop(name, strategy):
     want = pair_loop_reference(**case)
     # Only fp32 rounding differs; 2e-3 leaves room for one activation element landing on the other side
     # of an fp8 rounding boundary.
-    assert_moe_close(fused_moe_torch(**case, strategy=strategy), want, 2e-3)
+    got = fused_moe_torch(**case, strategy=strategy)
+    assert_moe_close(got, want, 2e-3)
     assert_moe_close(fused_moe(**case), want, 2e-3)
+    containers = dict(case, w13=case["w13"].float(), w2=case["w2"].half())  # the same values, widened
+    assert torch.equal(fused_moe_torch(**containers, strategy=strategy), got)
 
 
 def test_torch_bf16_matches_fp32_closely():
