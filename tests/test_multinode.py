@@ -241,12 +241,46 @@ class Cluster:
         return {node.name: node.proc.returncode for node in self.nodes}
 
 
+@pytest.fixture(scope="module")
+def dense_tiny_dir(tiny_k2_dir, tmp_path_factory) -> Path:
+    """The tiny checkpoint with its FP8 weights dequantized to fp32 (no quantization_config).
+
+    Token parity with one process is a property of the control plane only when every rank computes in
+    plain floating point: with FP8 activations, a sum's order (all-reduce vs one matmul) can flip a
+    quantization step and then a near-tied greedy token of the random tiny model.
+    """
+    import shutil
+
+    import safetensors.torch
+
+    from kserve.kernels.fp8_dequant import dequantize_blocks_torch
+
+    out = tmp_path_factory.mktemp("dense") / "k2"
+    shutil.copytree(tiny_k2_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    block = tuple(config.pop("quantization_config")["weight_block_size"])
+    (out / "config.json").write_text(json.dumps(config))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = safetensors.torch.load_file(out / shard)
+        dense = {}
+        for name, tensor in tensors.items():
+            if name.endswith("_scale_inv"):
+                continue
+            scale = tensors.get(name + "_scale_inv")
+            dense[name] = dequantize_blocks_torch(tensor, scale, block) if scale is not None else tensor
+        safetensors.torch.save_file(dense, out / shard)
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.endswith("_scale_inv")}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out
+
+
 @pytest.fixture
-def make_cluster(tmp_path, tiny_k2_dir):
+def make_cluster(tmp_path, dense_tiny_dir):
     clusters: list[Cluster] = []
 
     def make(tp: int, nnodes: int = 2, torchrun: bool = False) -> Cluster:
-        cluster = Cluster(tmp_path, tiny_k2_dir, tp, nnodes, torchrun)
+        cluster = Cluster(tmp_path, dense_tiny_dir, tp, nnodes, torchrun)
         clusters.append(cluster)
         return cluster.start()
 
@@ -256,13 +290,13 @@ def make_cluster(tmp_path, tiny_k2_dir):
 
 
 @pytest.fixture(scope="module")
-def single_process_texts(tiny_k2_dir) -> list[str]:
+def single_process_texts(dense_tiny_dir) -> list[str]:
     """Greedy completions of PROMPTS from one process (TP=1), the reference."""
     from kserve.engine.llm import LLM
     from kserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, skip_special_tokens=False)
-    llm = LLM(model=str(tiny_k2_dir), dtype="float32", device="cpu", num_kv_blocks=64)
+    llm = LLM(model=str(dense_tiny_dir), dtype="float32", device="cpu", num_kv_blocks=64)
     return [out.text for out in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
@@ -396,3 +430,27 @@ def test_torchrun_ranks_come_from_its_environment(make_cluster, single_process_t
     assert "kserve headless node 0: ranks 1..1 of 2" in log, log[-2000:]
     cluster.nodes[0].proc.send_signal(signal.SIGTERM)  # torchrun passes it on to both ranks
     cluster.wait_all_exit(EXIT_TIMEOUT_S)
+
+
+def test_a_lost_local_rank_is_seen_at_once_and_kills_the_engine(tiny_k2_dir) -> None:
+    """The process monitor, not a failed collective, notices first: rank 0 is idle when rank 1 dies."""
+    from kserve.engine.errors import EngineDeadError
+    from kserve.engine.llm import LLM
+    from kserve.engine.sampling_params import SamplingParams
+    from kserve.engine.tp_workers import RankLostError
+
+    llm = LLM(model=str(tiny_k2_dir), tensor_parallel_size=2, dtype="float32", device="cpu", num_kv_blocks=64)
+    workers = llm.engine.tp_workers
+    try:
+        os.kill(workers._local.procs[1].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        while workers.failure is None and time.monotonic() - killed_at < 5.0:
+            time.sleep(0.05)
+        assert isinstance(workers.failure, RankLostError) and "rank 1" in str(workers.failure)
+        with pytest.raises(EngineDeadError, match="rank 1"):  # fatal at the first step: no retries
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        started = time.monotonic()
+        llm.shutdown()
+        assert time.monotonic() - started < 15.0  # a broken group never makes shutdown hang
+    assert not dist.is_initialized()
