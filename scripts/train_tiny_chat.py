@@ -122,7 +122,7 @@ def train(args: argparse.Namespace) -> Path:
 
     from kserve.chat import load_tokenizer
     from kserve.model.hf_reference import hf_config
-    from kserve.tiny_checkpoint import tiny_config, write_tiny_checkpoint
+    from kserve.tiny import tiny_config, write_tiny_checkpoint
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
