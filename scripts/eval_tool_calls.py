@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gen_tool_data import generate  # noqa: E402
+from gen_tool_data import generate
 
 
 def score(client: Any, model: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
