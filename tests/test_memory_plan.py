@@ -158,3 +158,13 @@ def test_cpu_cache_blocks_from_the_byte_budget():
     # 1 MiB / (1000 B x 16) = 65 blocks, one of them the runner's scratch block
     assert num_kv_blocks_for(config, 1000, torch.device("cpu")) == 64
     assert num_kv_blocks_for(EngineConfig(num_kv_blocks=7), 1000, torch.device("cpu")) == 7
+
+
+def test_k2_splits_on_block_boundaries_at_tp_8_and_16(k2_config):
+    """Every rank of K2 at TP 8 and 16 starts each split on a 128 boundary (no padded FP8 shard) and
+    holds a whole vocabulary shard."""
+    from kserve.model.memory_plan import _rank_signature
+
+    for tp in (8, 16):
+        signatures = {_rank_signature(k2_config, tp, rank) for rank in range(tp)}
+        assert signatures == {((0, 0, 0, 0), k2_config.vocab_size // tp)}, tp
