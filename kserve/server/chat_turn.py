@@ -7,27 +7,23 @@ completions; each endpoint only writes the result in its own wire shape. Always 
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kserve.chat import (
-    StreamingReasoningParser,
-    StreamingToolParser,
-    parse_tool_output,
-    split_reasoning,
-)
 from kserve.chat import ToolCall as ParsedToolCall
-from kserve.engine.errors import PromptRejected
-from kserve.server.context import DisconnectWatch, ServingContext, engine_refused
-from kserve.server.outcome import client_gone, finish_reason, unfinished
-from kserve.server.protocol import ChatDelta
-from kserve.server.serving_chat import NO_ARGUMENTS, PreparedChat, check_tool_calls
-from kserve.server.serving_chat import _ChoiceStream as ChoiceStream
-
-logger = logging.getLogger("kserve.server")
+from kserve.server.context import ServingContext
+from kserve.server.outcome import finish_reason, unfinished
+from kserve.server.protocol import ChatDelta, ToolCallDeltaOut
+from kserve.server.serving_chat import (
+    NO_ARGUMENTS,
+    ChoiceStream,
+    PreparedChat,
+    check_tool_calls,
+    generate_whole,
+    parse_choice,
+)
 
 
 @dataclass
@@ -58,7 +54,7 @@ class TurnDelta:
 
     reasoning: str = ""
     content: str = ""
-    calls: list[Any] = field(default_factory=list)  # ToolCallDeltaOut: header (id, name) once, then arguments
+    calls: list[ToolCallDeltaOut] = field(default_factory=list)  # header (id, name) once, then arguments
 
     @classmethod
     def of(cls, delta: ChatDelta) -> TurnDelta:
@@ -87,39 +83,9 @@ def _record(ctx: ServingContext, usage: TurnUsage, first_token: float | None, st
 async def run_turn(ctx: ServingContext, prep: PreparedChat, request: Any) -> FinishedTurn:
     """Generate to the end (aborting if the client goes away) and parse the output as chat completions does."""
     start = time.monotonic()
-    first_token: float | None = None
-    final = None
-    gone = False
-    watch = DisconnectWatch(request)
-    try:
-        async for out in ctx.engine.generate(prep.request_id, prep.prompt_ids, prep.params):
-            if first_token is None and out.outputs[0].token_ids:
-                first_token = time.monotonic() - start
-            final = out
-            if final.finished:
-                break
-            if await watch.gone():
-                logger.info("request %s: client disconnected; aborting", prep.request_id)
-                gone = True
-                break
-    except PromptRejected as exc:  # prepare_chat validated it; a backstop
-        raise engine_refused(exc, "messages") from None
-    finally:
-        if final is None or not final.finished:
-            await ctx.abort(prep.request_id)
-    if final is None or not final.finished:
-        raise client_gone() if gone else unfinished()
+    final, first_token = await generate_whole(ctx, prep, request)
     output = final.outputs[0]
-    text, reasoning = output.text, None
-    if ctx.settings.enable_reasoning:
-        reasoning, text = split_reasoning(text)
-    calls: list[ParsedToolCall] = []
-    if prep.parse_tools:
-        parsed = parse_tool_output(text, prep.tools)
-        text, calls = parsed.content, prep.kept(parsed.calls)
-        check_tool_calls(ctx, prep.request_id, calls, parsed.section_opened, prep.tools)
-    finish = finish_reason(output.finish_reason, bool(calls))
-    ctx.metrics.count_finish(finish)
+    reasoning, text, calls, finish = parse_choice(ctx, prep, output)
     usage = _usage(prep, final)
     _record(ctx, usage, first_token, start)
     return FinishedTurn(reasoning, text, calls, finish, _stop_sequence(output), usage)
@@ -130,12 +96,7 @@ async def stream_turn(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
 
     Errors are raised (APIError for aborted generations); closing the iterator early aborts the engine request.
     """
-    state = ChoiceStream(
-        index=0,
-        tool_parser=StreamingToolParser(prep.tools) if prep.parse_tools else None,
-        reasoning_parser=StreamingReasoningParser() if ctx.settings.enable_reasoning else None,
-        max_calls=prep.max_calls,
-    )
+    state = ChoiceStream.start(ctx, prep, 0)
     start = time.monotonic()
     first_token: float | None = None
     final = None

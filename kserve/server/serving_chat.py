@@ -133,7 +133,8 @@ def _tool_call_out(call: ParsedToolCall) -> ToolCall:
 # ----------------------------------------------------------------------------- non-streaming
 
 
-async def run_chat(ctx: ServingContext, prep: PreparedChat, request: Any) -> ChatCompletionResponse:
+async def generate_whole(ctx: ServingContext, prep: PreparedChat, request: Any) -> tuple[Any, float | None]:
+    """The finished RequestOutput and seconds to the first token; aborts the engine request if the client goes."""
     start = time.monotonic()
     first_token: float | None = None
     final = None
@@ -157,6 +158,12 @@ async def run_chat(ctx: ServingContext, prep: PreparedChat, request: Any) -> Cha
             await ctx.abort(prep.request_id)
     if final is None or not final.finished:
         raise client_gone() if gone else unfinished()
+    return final, first_token
+
+
+async def run_chat(ctx: ServingContext, prep: PreparedChat, request: Any) -> ChatCompletionResponse:
+    start = time.monotonic()
+    final, first_token = await generate_whole(ctx, prep, request)
     choices = [_chat_choice(ctx, prep, o) for o in sorted(final.outputs, key=lambda o: o.index)]
     usage = usage_info(len(prep.prompt_ids), final.outputs, final.num_cached_tokens)
     ctx.metrics.count_tokens(usage.prompt_tokens, usage.completion_tokens)
@@ -164,7 +171,9 @@ async def run_chat(ctx: ServingContext, prep: PreparedChat, request: Any) -> Cha
     return ChatCompletionResponse(id=prep.request_id, model=ctx.model_name, choices=choices, usage=usage)
 
 
-def _chat_choice(ctx: ServingContext, prep: PreparedChat, output: Any) -> ChatChoice:
+def parse_choice(ctx: ServingContext, prep: PreparedChat, output: Any
+                 ) -> tuple[str | None, str, list[ParsedToolCall], str]:
+    """(reasoning or None, visible text, checked calls, finish reason) of a finished choice; counts the finish."""
     text = output.text
     reasoning = None
     if ctx.settings.enable_reasoning:
@@ -176,6 +185,11 @@ def _chat_choice(ctx: ServingContext, prep: PreparedChat, output: Any) -> ChatCh
         check_tool_calls(ctx, prep.request_id, calls, parsed.section_opened, prep.tools)
     finish = finish_reason(output.finish_reason, bool(calls))
     ctx.metrics.count_finish(finish)
+    return reasoning, text, calls, finish
+
+
+def _chat_choice(ctx: ServingContext, prep: PreparedChat, output: Any) -> ChatChoice:
+    reasoning, text, calls, finish = parse_choice(ctx, prep, output)
     message = AssistantMessage(
         content=text if (text or not calls) else None,
         reasoning_content=reasoning,
@@ -191,7 +205,7 @@ def _chat_choice(ctx: ServingContext, prep: PreparedChat, output: Any) -> ChatCh
 
 
 @dataclass
-class _ChoiceStream:
+class ChoiceStream:
     """Per-choice streaming state: how much of the cumulative output was already sent, and the parsers."""
 
     index: int
@@ -202,6 +216,15 @@ class _ChoiceStream:
     tokens_sent: int = 0
     args_sent: dict[int, str] = field(default_factory=dict)  # call index -> arguments streamed so far
     done: bool = False
+
+    @classmethod
+    def start(cls, ctx: ServingContext, prep: PreparedChat, index: int) -> ChoiceStream:
+        return cls(
+            index=index,
+            tool_parser=StreamingToolParser(prep.tools) if prep.parse_tools else None,
+            reasoning_parser=StreamingReasoningParser() if ctx.settings.enable_reasoning else None,
+            max_calls=prep.max_calls,
+        )
 
     def advance(self, new_text: str, final: bool) -> ChatDelta:
         """Content / reasoning / tool-call deltas for `new_text` (plus the parsers' held-back tail if final)."""
@@ -262,15 +285,7 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
     def chunk(choice: ChatChunkChoice) -> str:
         return sse_event(ChatCompletionChunk(id=rid, model=model, created=created, choices=[choice]))
 
-    states = [
-        _ChoiceStream(
-            index=i,
-            tool_parser=StreamingToolParser(prep.tools) if prep.parse_tools else None,
-            reasoning_parser=StreamingReasoningParser() if ctx.settings.enable_reasoning else None,
-            max_calls=prep.max_calls,
-        )
-        for i in range(prep.params.n)
-    ]
+    states = [ChoiceStream.start(ctx, prep, i) for i in range(prep.params.n)]
     start = time.monotonic()
     first_token: float | None = None
     final = None
@@ -329,7 +344,7 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
     yield sse_done()
 
 
-def _final_choice(ctx: ServingContext, prep: PreparedChat, state: _ChoiceStream, engine_reason: str) -> ChatChunkChoice:
+def _final_choice(ctx: ServingContext, prep: PreparedChat, state: ChoiceStream, engine_reason: str) -> ChatChunkChoice:
     calls: list[ParsedToolCall] = []
     if state.tool_parser is not None:
         calls = state.calls()
