@@ -34,7 +34,7 @@ class ParallelState:
     def is_parallel(self) -> bool:
         return self.tp_size > 1
 
-    def without_collectives(self) -> "ParallelState":
+    def without_collectives(self) -> ParallelState:
         return dataclasses.replace(self, collectives=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

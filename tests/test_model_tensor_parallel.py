@@ -29,7 +29,7 @@ def run_steps(model, ids: torch.Tensor, probes: dict | None = None) -> torch.Ten
     if probes is not None:
         layer = model.model.layers[0]
         for name in ("self_attn", "mlp"):
-            hook = lambda mod, args, out, name=name: probes.setdefault(name, out.clone())  # noqa: E731
+            hook = lambda mod, args, out, name=name: probes.setdefault(name, out.clone())
             handles.append(getattr(layer, name).register_forward_hook(hook))
     cache = torch.zeros(c.num_hidden_layers, 8, BLOCK, c.kv_cache_dim)
     n = ids.shape[0]

@@ -24,9 +24,9 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -92,7 +92,7 @@ def read_weight_map(model_dir: Path) -> dict[str, str]:
         from safetensors import safe_open
 
         with safe_open(str(single), framework="pt") as f:
-            return {k: single.name for k in f.keys()}
+            return {k: single.name for k in f.keys()}  # noqa: SIM118 -- safe_open has no __iter__
     raise CheckpointError(f"no {INDEX_FILE} or model.safetensors in {model_dir}")
 
 

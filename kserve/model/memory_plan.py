@@ -151,12 +151,14 @@ class MemoryPlan:
         return json.dumps(asdict(self), indent=2)
 
     def format_text(self) -> str:
-        g = lambda n: f"{n / GIB:,.2f} GiB"  # noqa: E731
+        g = lambda n: f"{n / GIB:,.2f} GiB"
         lines = [
             f"model                      {self.model}",
             f"tensor parallel            {self.tp_size} ranks",
-            f"GPU memory                 {g(self.gpu_memory_bytes)} x {self.gpu_memory_utilization} usable"
-            f" = {g(int(self.gpu_memory_bytes * self.gpu_memory_utilization))}",
+            (
+                f"GPU memory                 {g(self.gpu_memory_bytes)} x {self.gpu_memory_utilization} usable"
+                f" = {g(int(self.gpu_memory_bytes * self.gpu_memory_utilization))}"
+            ),
             f"weights per rank           {g(self.weights_per_rank_bytes)} ({self.weights_per_rank_bytes:,} B, rank 0)",
         ]
         if self.weights_max_rank_bytes != self.weights_per_rank_bytes:
