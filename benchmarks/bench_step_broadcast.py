@@ -24,7 +24,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kserve.engine.model_runner import StepInputs
-from kserve.engine.step_broadcast import MessageKind, StepChannel, pack_step, unpack_step
+from kserve.engine.step_broadcast import (
+    MessageKind,
+    StepChannel,
+    pack_step,
+    unpack_step,
+)
 
 
 def decode_step(batch: int, context: int, block_size: int) -> StepInputs:

@@ -184,7 +184,7 @@ class Cluster:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         for node_rank in range(self.nnodes):
             nodes = ["--nnodes", str(self.nnodes), "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
@@ -252,7 +252,6 @@ def dense_tiny_dir(tiny_k2_dir, tmp_path_factory) -> Path:
     import shutil
 
     import safetensors.torch
-
     from kserve.kernels.fp8_dequant import dequantize_blocks_torch
 
     out = tmp_path_factory.mktemp("dense") / "k2"

@@ -9,8 +9,8 @@ one process per rank (`from_torchrun_env`).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 # EngineConfig.extra key under which `kserve serve` passes the RankLayout to LLMEngine.from_config.
 RANK_LAYOUT_KEY = "rank_layout"

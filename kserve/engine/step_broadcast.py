@@ -87,7 +87,7 @@ def pack_step(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
 def unpack_step(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
     """The StepInputs that `pack_step` packed (header and payload on any device); its `block_tables` are
     int32 numpy arrays (views of the payload), every other field plain lists."""
-    _, num_tokens, num_seqs, num_entries, num_sample, padded, size, _ = header.tolist()
+    _, num_tokens, num_seqs, num_entries, _num_sample, padded, size, _ = header.tolist()
     values = payload.cpu().numpy()
     if values.size != size:
         raise ValueError(f"step payload has {values.size} values, header says {size}")

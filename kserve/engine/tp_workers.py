@@ -129,7 +129,7 @@ def run_worker_rank(layout: RankLayout, rank: int, model_dir: str, device: str, 
             try:
                 store.set(_ERROR_KEY.format(rank=rank), f"{type(exc).__name__}: {exc}")
             except Exception:  # noqa: BLE001 -- rank 0 may be the one that is gone
-                pass
+                logger.debug("could not report rank %d's failure to rank 0's store", rank)
         return 1
 
 
