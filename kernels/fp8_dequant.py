@@ -71,6 +71,11 @@ def triton_available() -> bool:
     return True
 
 
+def fp8_triton_runs(device: torch.device) -> bool:
+    """Whether Triton kernels with fp8 operands run on `device`: Triton loads float8_e4m3fn natively from sm89."""
+    return device.type == "cuda" and triton_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def dequantize_blocks_triton(
     weight: torch.Tensor,
     scale_inv: torch.Tensor,
@@ -95,8 +100,7 @@ def dequantize_blocks(
     block: tuple[int, int] = (128, 128),
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    # Triton loads float8_e4m3fn natively from sm89 on; older GPUs use the torch path.
-    if weight.is_cuda and triton_available() and torch.cuda.get_device_capability(weight.device) >= (8, 9):
+    if fp8_triton_runs(weight.device):
         return dequantize_blocks_triton(weight, scale_inv, block, out_dtype)
     return dequantize_blocks_torch(weight, scale_inv, block, out_dtype)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from kserve.kernels.fp8_dequant import triton_available
+from kserve.kernels.fp8_dequant import fp8_triton_runs
 from kserve.kernels.fp8_quant import (
     FP8_DTYPE,
     FP8_MAX,
@@ -330,12 +330,7 @@ def w8a8_block_matmul_triton(
 
 
 def _use_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        x.is_cuda
-        and weight.dtype == FP8_DTYPE
-        and triton_available()
-        and torch.cuda.get_device_capability(x.device) >= (8, 9)
-    )
+    return weight.dtype == FP8_DTYPE and fp8_triton_runs(x.device)
 
 
 @torch.library.custom_op("kserve::fp8_block_linear", mutates_args=())
@@ -354,7 +349,8 @@ def _fp8_block_linear_op(
 
 
 @_fp8_block_linear_op.register_fake
-def _(x, weight, weight_scale_inv, block_n, block_k, out_dtype):
+def _fp8_block_linear_fake(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_n: int,
+                           block_k: int, out_dtype: torch.dtype) -> torch.Tensor:
     check_fp8_linear_args(x, weight, weight_scale_inv, (block_n, block_k))
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
 

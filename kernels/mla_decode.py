@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kserve.kernels.fp8_dequant import triton_available
+from kserve.kernels.fp8_dequant import fp8_triton_runs, triton_available
 
 _FP8_DTYPES = (torch.float8_e4m3fn,)
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + _FP8_DTYPES
@@ -122,10 +122,9 @@ def check_decode_inputs(
         raise ValueError(f"q_lat, q_pe, kv_cache, block_tables and context_lens must share a device, got {devices}")
     if kv_cache.shape[0] > 0 and kv_cache.stride(2) != 1:
         raise ValueError("kv_cache's last dimension must be contiguous")
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
-    if not (isinstance(kv_scale, (int, float)) and math.isfinite(kv_scale) and kv_scale > 0):
-        raise ValueError(f"kv_scale must be a positive finite float, got {kv_scale!r}")
+    for name, value in (("scale", scale), ("kv_scale", kv_scale)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite float, got {value!r}")
 
 
 def _select_blocks(kv_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -449,11 +448,9 @@ def mla_decode_triton(
 
 
 def _triton_runs(kv_cache: torch.Tensor) -> bool:
-    if not kv_cache.is_cuda or not triton_available():
-        return False
     if kv_cache.dtype in _FP8_DTYPES:
-        return torch.cuda.get_device_capability(kv_cache.device) >= (8, 9)
-    return True
+        return fp8_triton_runs(kv_cache.device)
+    return kv_cache.is_cuda and triton_available()
 
 
 @torch.library.custom_op("kserve::mla_decode", mutates_args=())
@@ -472,7 +469,8 @@ def _mla_decode_op(
 
 
 @_mla_decode_op.register_fake
-def _mla_decode_fake(q_lat, q_pe, kv_cache, block_tables, context_lens, scale, kv_scale):
+def _mla_decode_fake(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, kv_scale: float) -> torch.Tensor:
     return q_lat.new_empty(q_lat.shape, dtype=torch.float32)
 
 

@@ -5,11 +5,8 @@ import os
 
 import pytest
 import torch
-from kserve.kernels.fp8_gemm import (
-    fp8_block_linear,
-    triton_available,
-    w8a8_block_matmul_torch,
-)
+from kserve.kernels.fp8_dequant import triton_available
+from kserve.kernels.fp8_gemm import fp8_block_linear, w8a8_block_matmul_torch
 from kserve.kernels.fp8_quant import (
     FP8_DTYPE,
     dequantize_per_token_group_torch,
