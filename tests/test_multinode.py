@@ -385,6 +385,8 @@ def test_two_nodes_one_rank_each(make_cluster, single_process_texts) -> None:
     watch.stop()
     assert watch.first_503 is not None and watch.first_503 - killed_at <= 5.0, watch.statuses
     codes = cluster.wait_all_exit(EXIT_TIMEOUT_S)
+    print(f"rank 1 killed: /health 503 after {watch.first_503 - killed_at:.2f}s, every process gone after "
+          f"{time.monotonic() - killed_at:.1f}s, exit codes {codes}")
     assert codes["node0"] != 0, cluster.nodes[0].tail()
     assert codes["node1"] == -signal.SIGKILL
 
@@ -395,7 +397,9 @@ def test_two_nodes_two_ranks_each_and_the_head_dies(make_cluster, single_process
     _live_requests_pass(cluster)
 
     os.kill(cluster.nodes[0].proc.pid, signal.SIGKILL)  # the head: rank 0 and the HTTP server
+    killed_at = time.monotonic()
     codes = cluster.wait_all_exit(EXIT_TIMEOUT_S)  # node 1's kserve process and its spawned rank 3
+    print(f"head killed: every process gone after {time.monotonic() - killed_at:.1f}s, exit codes {codes}")
     assert codes["node1"] != 0, cluster.nodes[1].tail()
     assert "rank 2 stops" in cluster.nodes[1].log.read_text(errors="replace")
 
