@@ -26,7 +26,9 @@ NUM_BLOCKS = 24
 
 @pytest.fixture(scope="module")
 def model(tiny_k2_dir):
-    return load_model(tiny_k2_dir)
+    # Dequantized weights (H4): these tests compare paths and batch shapes at 1e-4, and on the FP8 path
+    # a one-ulp difference can cross an e4m3 activation rounding that the random model amplifies.
+    return load_model(tiny_k2_dir, weights="dequantized")
 
 
 def make_runner(model, **kw) -> ModelRunner:
@@ -152,15 +154,20 @@ def test_padded_static_decode_equals_unpadded(model) -> None:
     sizes = []
     run_padded = padded._execute_padded
     padded._execute_padded = lambda inputs, size: sizes.append(size) or run_padded(inputs, size)
-    for _ in range(3):
-        logits_e = decode_all(eager, seqs_e, logits_e)
-        logits_p = decode_all(padded, seqs_p, logits_p)
+    real = slice(0, NUM_BLOCKS)
+    for step in range(3):
+        # Each step starts both runners from the same cache and tokens: this random model amplifies
+        # rounding (batch 3 vs 4 matmul blockings, ~5e-7) by orders of magnitude within a few steps,
+        # which would hide what is compared here, the padded step's own arithmetic.
+        padded.kv_cache[:, real].copy_(eager.kv_cache[:, real])
+        previous = logits_e
+        logits_e = decode_all(eager, seqs_e, previous)
+        logits_p = decode_all(padded, seqs_p, previous)
         assert logits_p.shape == logits_e.shape == (3, model.config.vocab_size)
-        assert rel_err(logits_p, logits_e) <= 1e-4
+        assert rel_err(logits_p, logits_e) <= 1e-4, step
         assert [s.token_ids for s in seqs_p] == [s.token_ids for s in seqs_e]
     assert sizes == [4, 4, 4]
     # padding wrote only the scratch block; the real blocks hold the same latents
-    real = slice(0, NUM_BLOCKS)
     torch.testing.assert_close(padded.kv_cache[:, real], eager.kv_cache[:, real], rtol=1e-4, atol=1e-5)
     assert padded.kv_cache[:, NUM_BLOCKS].abs().sum() > 0 and eager.kv_cache[:, NUM_BLOCKS].abs().sum() == 0
     # a step mixing in a prefill, or wider than the largest bucket, runs unpadded
