@@ -40,15 +40,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType, ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported lazily: the env stage reports a missing or broken one
+    import torch
+
+    from kserve.config import ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 K2_CONFIG = REPO_ROOT / "configs" / "kimi-k2-instruct.json"
 STAGES = ("env", "correctness", "kernel_speed", "decode_step", "serve_bench")
+# (name, N, K) of K2's FP8 linears as one TP8 rank holds them: attention projections and the dense MLP
+K2_GEMM_SHAPES = (
+    ("q_a_proj", 1536, 7168), ("kv_a_proj_with_mqa", 576, 7168), ("q_b_proj", 1536, 1536),
+    ("o_proj", 7168, 1024), ("dense gate_up", 4608, 7168), ("dense down", 7168, 2304),
+)
 
 
 @dataclass
@@ -99,15 +110,8 @@ class Plan:
             # 410 s in all; a stage may overrun its budget by one row
             budgets_s={"env": 20, "correctness": 60, "kernel_speed": 110, "decode_step": 100, "serve_bench": 120},
             iters=20, warmup=3, copy_bytes=1 << 30, gemm_square=8192,
-            gemm_shapes=[
-                ("q_a_proj", 1536, 7168), ("kv_a_proj_with_mqa", 576, 7168), ("q_b_proj", 1536, 1536),
-                ("o_proj", 7168, 1024), ("dense gate_up", 4608, 7168), ("dense down", 7168, 2304),
-            ],
-            gemm_tokens=[1, 64, 256], correct_tokens=[1, 64],
-            gemm_speed_shapes=[
-                ("q_a_proj", 1536, 7168), ("kv_a_proj_with_mqa", 576, 7168), ("q_b_proj", 1536, 1536),
-                ("o_proj", 7168, 1024), ("dense gate_up", 4608, 7168), ("dense down", 7168, 2304),
-            ],
+            gemm_shapes=list(K2_GEMM_SHAPES), gemm_tokens=[1, 64, 256], correct_tokens=[1, 64],
+            gemm_speed_shapes=list(K2_GEMM_SHAPES),
             moe_experts_local=48, moe_experts_total=384, moe_hidden=7168, moe_intermediate=2048, moe_top_k=8,
             moe_tokens=[1, 64, 256],
             mla_heads=8, mla_latent=512, mla_rope=64, mla_block_size=16,
@@ -164,7 +168,7 @@ class Budget:
 # --- shared helpers ------------------------------------------------------------------------------------
 
 
-def _torch():
+def _torch() -> ModuleType:
     import torch
 
     return torch
@@ -202,18 +206,19 @@ def rotations(plan: Plan, bytes_per_call: int, cap: int = 8) -> int:
     return max(1, min(cap, math.ceil(plan.rotate_bytes / bytes_per_call)))
 
 
-def fp8_container(plan: Plan):
+def fp8_container(plan: Plan) -> torch.dtype:
     """float8_e4m3fn on the GPU; fp32 holding FP8 values in the dry run (the Triton interpreter)."""
     torch = _torch()
     return torch.float32 if plan.dry_run else torch.float8_e4m3fn
 
 
-def act_dtype(plan: Plan):
+def act_dtype(plan: Plan) -> torch.dtype:
     torch = _torch()
     return torch.float32 if plan.dry_run else torch.bfloat16
 
 
-def random_fp8_weight(shape: tuple[int, ...], plan: Plan, gen=None, container=None):
+def random_fp8_weight(shape: tuple[int, ...], plan: Plan, gen: torch.Generator | None = None,
+                      container: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Random block-FP8 weight [..., N, K] and fp32 scales [..., ceil(N/128), ceil(K/128)] with a real
     weight of about unit variance per output (scale ~ 1 / (64 sqrt(K)))."""
     torch = _torch()
@@ -363,7 +368,7 @@ def check_fp8_gemm(plan: Plan) -> list[Row]:
     return rows
 
 
-def _moe_inputs(plan: Plan, tokens: int, gen):
+def _moe_inputs(plan: Plan, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     torch = _torch()
     e, h, i = plan.moe_experts_local, plan.moe_hidden, plan.moe_intermediate
     w13, s13 = random_fp8_weight((e, 2 * i, h), plan, gen)
@@ -373,7 +378,7 @@ def _moe_inputs(plan: Plan, tokens: int, gen):
     return x, w13, s13, w2, s2, ids, weights
 
 
-def _routing(plan: Plan, tokens: int, gen):
+def _routing(plan: Plan, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniform random top-k over all experts (this rank holds the first moe_experts_local)."""
     torch = _torch()
     scores = torch.rand(tokens, plan.moe_experts_total, device=plan.device, generator=gen)
@@ -401,7 +406,7 @@ def check_fused_moe(plan: Plan) -> list[Row]:
                 f"rel <= {tol:g}", _verdict(rel, tol), {"rel": rel, "max_abs": mx})]
 
 
-def _mla_cache(plan: Plan, num_blocks: int, fp8: bool, gen):
+def _mla_cache(plan: Plan, num_blocks: int, fp8: bool, gen: torch.Generator) -> torch.Tensor:
     torch = _torch()
     width = plan.mla_latent + plan.mla_rope
     cache = torch.randn(num_blocks, plan.mla_block_size, width, device=plan.device, generator=gen) * 0.5
@@ -411,7 +416,8 @@ def _mla_cache(plan: Plan, num_blocks: int, fp8: bool, gen):
     return cache.to(act_dtype(plan))
 
 
-def _block_tables(plan: Plan, lens: list[int], num_blocks: int, gen, offset: int = 0):
+def _block_tables(plan: Plan, lens: list[int], num_blocks: int, gen: torch.Generator,
+                  offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence gets distinct blocks from a shuffled pool (so reads are really paged)."""
     torch = _torch()
     per = max(1, max(-(-n // plan.mla_block_size) for n in lens))
@@ -690,7 +696,7 @@ def stage_kernel_speed(plan: Plan, budget: Budget, limits: dict[str, float]) -> 
 # --- stage 4: decode step of a 4-layer K2-width model at one rank of 8 ---------------------------------
 
 
-def decode_config(plan: Plan):
+def decode_config(plan: Plan) -> ModelConfig:
     from kserve.config import ModelConfig
 
     raw = json.loads(K2_CONFIG.read_text())
@@ -702,7 +708,7 @@ def decode_config(plan: Plan):
     return ModelConfig.from_dict(raw)
 
 
-def fill_random_(model, seed: int) -> None:
+def fill_random_(model: torch.nn.Module, seed: int) -> None:
     """Random weights of sensible size: FP8 tensors as random e4m3 values, their scales ~1/(64 sqrt(K)),
     norms 1, biases 0, other weights ~N(0, 1/fan_in)."""
     torch = _torch()
@@ -964,10 +970,10 @@ def stage_serve_bench(
 
 # --- driver ----------------------------------------------------------------------------------------------
 
-STAGE_FUNCS = {
+STAGE_FUNCS: Mapping[str, Callable[..., Any]] = MappingProxyType({
     "env": stage_env, "correctness": stage_correctness, "kernel_speed": stage_kernel_speed,
     "decode_step": stage_decode_step, "serve_bench": stage_serve_bench,
-}
+})
 
 
 def format_table(rows: list[Row]) -> str:
