@@ -143,3 +143,15 @@ def test_fp8_experts_need_whole_blocks(tiny_k2_dir):
     with pytest.raises(ValueError, match=r"moe_intermediate_size = 96"):
         build_meta_model(config, dtype=torch.float32)
     build_meta_model(config, dtype=torch.float32, weights="dequantized")  # fine without FP8 storage
+
+
+def test_dequantized_copy_loads_as_the_dequantized_model(tiny_k2_dir, tmp_path):
+    from kserve.model.loader import write_dequantized_checkpoint
+
+    copy = write_dequantized_checkpoint(tiny_k2_dir, tmp_path / "dense")
+    assert "quantization_config" not in json.loads((copy / "config.json").read_text())
+    assert not any(t.dtype == torch.float8_e4m3fn for t in checkpoint(copy).values())
+    ref = dict(load_model(tiny_k2_dir, weights="dequantized").named_parameters())
+    got = dict(load_model(copy).named_parameters())
+    assert ref.keys() == got.keys()
+    assert all(torch.equal(got[n], ref[n]) for n in ref)

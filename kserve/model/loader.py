@@ -302,6 +302,40 @@ def iter_checkpoint(
                     yield spec, reader.read(spec.name, spec.shape, _DENSE_DTYPES).to(dtype)
 
 
+def write_dequantized_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Copy a checkpoint with every FP8 weight dequantized to `dtype`, its scales and its
+    `quantization_config` dropped (tokenizer and other files copied as they are). The copy loads as a
+    plain floating-point model whatever `weights` says: the reference for engine-level token parity
+    (tensor parallelism, batching), where FP8 activation rounding would amplify summation order."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    config = ModelConfig.from_model_dir(model_dir)
+    block = tuple(config.quantization_config.weight_block_size) if config.quantization_config else (128, 128)
+    shutil.copytree(model_dir, out_dir)
+    raw = json.loads((out_dir / "config.json").read_text())
+    raw.pop("quantization_config", None)
+    (out_dir / "config.json").write_text(json.dumps(raw, indent=2))
+    weight_map = read_weight_map(model_dir)
+    for shard in sorted(set(weight_map.values())):
+        tensors = load_file(str(model_dir / shard))
+        dense = {}
+        for name, tensor in tensors.items():
+            if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in tensors:
+                continue
+            scale = tensors.get(name + "_scale_inv")
+            dense[name] = dequantize_blocks(tensor, scale, block, dtype) if scale is not None else tensor
+        save_file(dense, str(out_dir / shard), metadata={"format": "pt"})
+    index = out_dir / INDEX_FILE
+    if index.is_file():
+        raw_index = json.loads(index.read_text())
+        raw_index["weight_map"] = {k: v for k, v in raw_index["weight_map"].items() if not k.endswith("_scale_inv")}
+        index.write_text(json.dumps(raw_index, indent=2))
+    return out_dir
+
+
 def load_model(
     model_dir: str | Path,
     device: torch.device | str = "cpu",
@@ -320,4 +354,7 @@ def load_model(
     return model.eval()
 
 
-__all__ = ["CheckpointError", "LoadReport", "iter_checkpoint", "load_model", "load_weights", "read_weight_map"]
+__all__ = [
+    "CheckpointError", "LoadReport", "iter_checkpoint", "load_model", "load_weights", "read_weight_map",
+    "write_dequantized_checkpoint",
+]
