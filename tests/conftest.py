@@ -31,3 +31,35 @@ def tiny_k2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_v3_dir(tmp_path_factory) -> Path:
     return _make_tiny(tmp_path_factory.mktemp("tiny") / "v3", "v3")
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A live server over the embedded tiny K2 model, one per test module; a module needing other settings
+    defines its own `server` with `live_server.running_server(...)`."""
+    # imported here: it needs the openai SDK (a test extra), which only the server tests use
+    from live_server import running_server
+
+    with running_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def ctx(server):
+    """The live server's context (engine, tokenizer, model name); the test module provides `server`."""
+    return server.app.state.server.context
+
+
+@pytest.fixture
+def engine_prompts(ctx):
+    """The prompt ids of every request the engine is asked to generate for, in order (a tap, not a stand-in)."""
+    seen: list[list[int]] = []
+    generate = ctx.engine.generate
+
+    def tap(request_id, prompt_ids, params):
+        seen.append(list(prompt_ids))
+        return generate(request_id, prompt_ids, params)
+
+    ctx.engine.generate = tap
+    yield seen
+    del ctx.engine.generate

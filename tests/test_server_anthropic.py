@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 
 import httpx
 import pytest
@@ -17,19 +16,19 @@ import pytest
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
+from live_server import check_disconnect_aborts, openai_client  # noqa: E402
 from starlette.requests import Request  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from kserve.chat import ToolCall as ParsedToolCall  # noqa: E402
-from kserve.config import EngineConfig  # noqa: E402
 from kserve.server import anthropic_messages  # noqa: E402
-from kserve.server.anthropic_messages import chat_messages, check_api_key  # noqa: E402
+from kserve.server.anthropic_errors import check_api_key  # noqa: E402
+from kserve.server.anthropic_messages import chat_messages  # noqa: E402
 from kserve.server.anthropic_protocol import MessagesRequest  # noqa: E402
 from kserve.server.app import BodyLimitMiddleware, build_app  # noqa: E402
 from kserve.server.chat_turn import FinishedTurn, TurnDelta, TurnUsage  # noqa: E402
 from kserve.server.context import ServerSettings  # noqa: E402
 from kserve.server.errors import APIError  # noqa: E402
-from kserve.server.launch import BackgroundServer  # noqa: E402
 from kserve.server.protocol import FunctionCallDelta, ToolCallDeltaOut  # noqa: E402
 
 WEATHER = {"name": "get_weather", "description": "Current weather for a city",
@@ -42,40 +41,13 @@ GREEDY = {"temperature": 0}  # sampling fields are left out of this SDK's signat
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = BackgroundServer(ServerSettings(port=0, engine=EngineConfig(max_num_batched_tokens=4096))).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def ctx(server):
-    return server.app.state.server.context
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def chat_client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture
-def engine_prompts(ctx):
-    """The prompt ids of every request the engine is asked to generate for, in order (a tap, not a stand-in)."""
-    seen: list[list[int]] = []
-    generate = ctx.engine.generate
-
-    def tap(request_id, prompt_ids, params):
-        seen.append(list(prompt_ids))
-        return generate(request_id, prompt_ids, params)
-
-    ctx.engine.generate = tap
-    yield seen
-    del ctx.engine.generate
+    return openai_client(server)
 
 
 def _forced_call(client, ctx, **kw):
@@ -306,22 +278,8 @@ def test_history_blocks_translate_to_chat_turns():
 
 
 def test_client_disconnect_mid_stream_aborts_the_generation(server, ctx):
-    engine = ctx.engine
     body = {"model": ctx.model_name, "max_tokens": 4000, "stream": True, "messages": [{"role": "user", "content": "go"}]}
-    http = httpx.Client(timeout=60)
-    with http, http.stream("POST", server.base_url + "/v1/messages", json=body) as resp:
-        lines = resp.iter_lines()  # kept alive: dropping it would close the connection early
-        deltas = 0
-        while deltas < 4:  # a few tokens in: the request is decoding
-            deltas += "content_block_delta" in next(lines)
-        during = engine.stats()
-        assert during.num_running == 1
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and engine.stats().num_running + engine.stats().num_waiting:
-        time.sleep(0.05)
-    stats = engine.stats()
-    assert (stats.num_running, stats.num_waiting) == (0, 0)
-    assert stats.generation_tokens_total < during.generation_tokens_total + 1000  # stopped well before 4000
+    check_disconnect_aborts(server, "/v1/messages", body, "content_block_delta")
 
 
 @pytest.mark.parametrize("path, anthropic_shape", [("/v1/messages", True), ("/v1/chat/completions", False)])

@@ -10,12 +10,11 @@ import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
+from live_server import openai_client, running_server  # noqa: E402
 from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
 
 from kserve.chat import ChatTemplate  # noqa: E402
 from kserve.config import EngineConfig  # noqa: E402
-from kserve.server.context import ServerSettings  # noqa: E402
-from kserve.server.launch import BackgroundServer  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CONFORMANCE = SHARED / "conformance"
@@ -29,20 +28,13 @@ MESSAGES = [
 @pytest.fixture(scope="module")
 def server():
     # A context long enough for the longest vendor-verifier conversation under the tiny byte-level vocabulary.
-    settings = ServerSettings(port=0, engine=EngineConfig(max_model_len=16384, max_num_batched_tokens=4096))
-    srv = BackgroundServer(settings).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def ctx(server):
-    return server.app.state.server.context
+    with running_server(EngineConfig(max_model_len=16384, max_num_batched_tokens=4096)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(server)
 
 
 def test_models_and_health(server, client, ctx):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Literal
 
 import httpx
@@ -17,15 +16,13 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from live_server import check_disconnect_aborts, openai_client, running_server  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
 from kserve.chat import ToolCall as ParsedToolCall  # noqa: E402
-from kserve.config import EngineConfig  # noqa: E402
 from kserve.server import openai_responses  # noqa: E402
 from kserve.server.chat_turn import FinishedTurn, TurnDelta, TurnUsage  # noqa: E402
-from kserve.server.context import ServerSettings  # noqa: E402
 from kserve.server.errors import APIError  # noqa: E402
-from kserve.server.launch import BackgroundServer  # noqa: E402
 from kserve.server.openai_responses import chat_messages, prepare_response  # noqa: E402
 from kserve.server.protocol import FunctionCallDelta, ToolCallDeltaOut  # noqa: E402
 from kserve.server.responses_protocol import ResponsesRequest  # noqa: E402
@@ -46,35 +43,13 @@ class Verdict(BaseModel):
 
 @pytest.fixture(scope="module")
 def server():
-    srv = BackgroundServer(ServerSettings(port=0, responses_store_size=8,
-                                          engine=EngineConfig(max_num_batched_tokens=4096))).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def ctx(server):
-    return server.app.state.server.context
+    with running_server(responses_store_size=8) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture
-def engine_prompts(ctx):
-    """The prompt ids of every request the engine is asked to generate for, in order (a tap, not a stand-in)."""
-    seen: list[list[int]] = []
-    generate = ctx.engine.generate
-
-    def tap(request_id, prompt_ids, params):
-        seen.append(list(prompt_ids))
-        return generate(request_id, prompt_ids, params)
-
-    ctx.engine.generate = tap
-    yield seen
-    del ctx.engine.generate
+    return openai_client(server)
 
 
 def _items(response):
@@ -303,22 +278,8 @@ def test_input_items_translate_to_chat_turns():
 
 
 def test_client_disconnect_mid_stream_aborts_the_generation(server, ctx):
-    engine = ctx.engine
     body = {"model": ctx.model_name, "max_output_tokens": 4000, "stream": True, "input": "go"}
-    http = httpx.Client(timeout=60)
-    with http, http.stream("POST", server.base_url + "/v1/responses", json=body) as resp:
-        lines = resp.iter_lines()  # kept alive: dropping it would close the connection early
-        deltas = 0
-        while deltas < 4:  # a few tokens in: the request is decoding
-            deltas += "response.output_text.delta" in next(lines)
-        during = engine.stats()
-        assert during.num_running == 1
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and engine.stats().num_running + engine.stats().num_waiting:
-        time.sleep(0.05)
-    stats = engine.stats()
-    assert (stats.num_running, stats.num_waiting) == (0, 0)
-    assert stats.generation_tokens_total < during.generation_tokens_total + 1000  # stopped well before 4000
+    check_disconnect_aborts(server, "/v1/responses", body, "response.output_text.delta")
 
 
 def test_length_cut_stream_ends_with_response_incomplete_like_the_plain_response(server, client, ctx):
@@ -334,3 +295,4 @@ def test_length_cut_stream_ends_with_response_incomplete_like_the_plain_response
     def strip(items):
         return [{k: v for k, v in item.items() if k != "id"} for item in items]
     assert strip(last["output"]) == strip(plain.model_dump(exclude_none=True)["output"])
+

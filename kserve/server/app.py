@@ -15,15 +15,8 @@ import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from kserve.server.anthropic_messages import (
-    AnthropicErrorRoute,
-    check_api_key,
-    count_tokens,
-    error_response_for_path,
-    prepare_messages,
-    run_messages,
-    stream_messages,
-)
+from kserve.server.anthropic_errors import AnthropicErrorRoute, check_api_key, error_response_for_path
+from kserve.server.anthropic_messages import count_tokens, prepare_messages, run_messages, stream_messages
 from kserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from kserve.server.context import ServerSettings, ServingContext
 from kserve.server.errors import APIError, install_error_handlers
