@@ -18,10 +18,13 @@ openai = pytest.importorskip("openai")
 
 from live_server import check_disconnect_aborts, openai_client, running_server  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
 
 from kserve.chat import ToolCall as ParsedToolCall  # noqa: E402
 from kserve.server import openai_responses  # noqa: E402
+from kserve.server.app import build_app  # noqa: E402
 from kserve.server.chat_turn import FinishedTurn, TurnDelta, TurnUsage  # noqa: E402
+from kserve.server.context import ServerSettings  # noqa: E402
 from kserve.server.errors import APIError  # noqa: E402
 from kserve.server.openai_responses import chat_messages, prepare_response  # noqa: E402
 from kserve.server.protocol import FunctionCallDelta, ToolCallDeltaOut  # noqa: E402
@@ -296,3 +299,19 @@ def test_length_cut_stream_ends_with_response_incomplete_like_the_plain_response
         return [{k: v for k, v in item.items() if k != "id"} for item in items]
     assert strip(last["output"]) == strip(plain.model_dump(exclude_none=True)["output"])
 
+
+def test_request_counts_are_labelled_by_route_template_not_by_raw_path():
+    """Each stored response has its own path; a label per path would grow /metrics without bound."""
+    async def never_loads(settings, metrics):
+        await asyncio.Event().wait()
+
+    app = build_app(ServerSettings(max_request_bytes=64), loader=never_loads)
+    with TestClient(app) as http:
+        for i in range(3):
+            http.get(f"/v1/responses/resp_{i}")
+            http.delete(f"/v1/responses/resp_{i}")
+        assert http.post("/v1/chat/completions", content=b"x" * 100).status_code == 413  # refused before routing
+        http.get("/no/such/path")
+    counts = app.state.server.metrics.requests
+    assert {endpoint for endpoint, _ in counts} == {"/v1/responses/{response_id}", "/v1/chat/completions", "unmatched"}
+    assert sum(n for (endpoint, _), n in counts.items() if endpoint == "/v1/responses/{response_id}") == 6

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import BaseRoute, Match
 
 from kserve.server.anthropic_errors import AnthropicErrorRoute, check_api_key, error_response_for_path
 from kserve.server.anthropic_messages import count_tokens, prepare_messages, run_messages, stream_messages
@@ -193,11 +194,21 @@ class BodyLimitMiddleware:
 
 
 class RequestCountMiddleware:
-    """Counts responses by route and status for /metrics (pure ASGI, so streaming is untouched)."""
+    """Counts responses by route template and status for /metrics (pure ASGI, so streaming is untouched).
 
-    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+    Labels are route templates ("/v1/responses/{response_id}"), never raw paths, so they stay a bounded set.
+    """
+
+    def __init__(self, app: Any, metrics: ServerMetrics, routes: list[BaseRoute]) -> None:
         self.app = app
         self.metrics = metrics
+        self.routes = routes
+
+    def endpoint(self, scope: dict) -> str:
+        route = scope.get("route")
+        if route is None:  # answered before routing (a 413 from the body limit)
+            route = next((r for r in self.routes if r.matches(scope)[0] == Match.FULL), None)
+        return getattr(route, "path", None) or "unmatched"
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -206,9 +217,7 @@ class RequestCountMiddleware:
 
         async def counting_send(message: dict) -> None:
             if message["type"] == "http.response.start":
-                path = scope.get("path", "")
-                endpoint = path if path.startswith(("/v1/", "/health", "/metrics")) else "other"
-                self.metrics.count_request(endpoint, message["status"])
+                self.metrics.count_request(self.endpoint(scope), message["status"])
             await send(message)
 
         await self.app(scope, receive, counting_send)
@@ -255,7 +264,7 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None,
     install_error_handlers(app)
     app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    app.add_middleware(RequestCountMiddleware, metrics=state.metrics)
+    app.add_middleware(RequestCountMiddleware, metrics=state.metrics, routes=app.router.routes)
     app.add_middleware(RequestIdMiddleware)  # outermost: every line of a request, 413s included, has its id
 
     async def require_auth(request: Request) -> None:
