@@ -168,3 +168,43 @@ def test_k2_splits_on_block_boundaries_at_tp_8_and_16(k2_config):
     for tp in (8, 16):
         signatures = {_rank_signature(k2_config, tp, rank) for rank in range(tp)}
         assert signatures == {((0, 0, 0, 0), k2_config.vocab_size // tp)}, tp
+
+
+def test_gpu_block_count_from_a_profile():
+    """The CUDA branch's arithmetic, with a measured profile given (no GPU needed)."""
+    from kserve.config import EngineConfig
+    from kserve.engine.model_runner import CUDA_GRAPH_RESERVE_BYTES, MemoryProfile, num_kv_blocks_for
+
+    cuda = torch.device("cuda")
+    profile = MemoryProfile(total_bytes=140 * GIB, weights_bytes=121 * GIB, peak_activation_bytes=2 * GIB,
+                            non_torch_bytes=GIB)
+    eager = EngineConfig(gpu_memory_utilization=0.9, enforce_eager=True, block_size=16)
+    assert num_kv_blocks_for(eager, 70272, cuda, profile) == 2 * GIB // (70272 * 16) - 1
+    graphs = EngineConfig(gpu_memory_utilization=0.9, block_size=16)
+    assert num_kv_blocks_for(graphs, 70272, cuda, profile) == (2 * GIB - CUDA_GRAPH_RESERVE_BYTES) // (70272 * 16) - 1
+    with pytest.raises(ValueError, match="no room for the KV cache: 0.85 x 140.00 GiB"):
+        num_kv_blocks_for(EngineConfig(gpu_memory_utilization=0.85, enforce_eager=True), 70272, cuda, profile)
+
+
+def test_profile_memory_runs_its_forward(tiny_k2_dir, monkeypatch):
+    """profile_memory's own steps (scratch cache, one prefill of max_num_batched_tokens, the LM head,
+    rank 0 alone under TP) on the CPU, with torch.cuda's counters faked."""
+    from kserve.config import EngineConfig
+    from kserve.distributed import ParallelState
+    from kserve.engine import model_runner
+    from kserve.model import load_model
+
+    c = ModelConfig.from_model_dir(tiny_k2_dir)
+    cache_bytes = c.num_hidden_layers * 3 * 16 * c.kv_cache_dim * 4  # ceil(40 / 16) blocks, fp32
+    counters = iter([1000, 1000 + cache_bytes + 777])  # memory_allocated before, max_memory_allocated after
+    fake = {
+        "synchronize": lambda *a: None, "empty_cache": lambda: None, "reset_peak_memory_stats": lambda *a: None,
+        "memory_allocated": lambda *a: next(counters), "max_memory_allocated": lambda *a: next(counters),
+        "mem_get_info": lambda *a: (60_000, 100_000), "memory_reserved": lambda *a: 30_000,
+    }
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    model = load_model(tiny_k2_dir, parallel=ParallelState(0, 2))
+    config = EngineConfig(max_num_batched_tokens=40, max_num_seqs=4, block_size=16)
+    profile = model_runner.profile_memory(model, model.config, config, torch.device("cpu"), torch.float32)
+    assert profile == model_runner.MemoryProfile(100_000, 1000, 777, 10_000)
