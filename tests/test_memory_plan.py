@@ -173,7 +173,11 @@ def test_k2_splits_on_block_boundaries_at_tp_8_and_16(k2_config):
 def test_gpu_block_count_from_a_profile():
     """The CUDA branch's arithmetic, with a measured profile given (no GPU needed)."""
     from kserve.config import EngineConfig
-    from kserve.engine.model_runner import CUDA_GRAPH_RESERVE_BYTES, MemoryProfile, num_kv_blocks_for
+    from kserve.engine.model_runner import (
+        CUDA_GRAPH_RESERVE_BYTES,
+        MemoryProfile,
+        num_kv_blocks_for,
+    )
 
     cuda = torch.device("cuda")
     profile = MemoryProfile(total_bytes=140 * GIB, weights_bytes=121 * GIB, peak_activation_bytes=2 * GIB,
