@@ -46,7 +46,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def ctx(server):
-    """The live server's context (engine, tokenizer, model name); the test module provides `server`."""
+    """The live server's context: engine, tokenizer, model name."""
     return server.app.state.server.context
 
 

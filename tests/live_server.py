@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from kserve.config import EngineConfig
+from kserve.server.chat_turn import FinishedTurn, TurnDelta, TurnEvent
 from kserve.server.context import ServerSettings
 from kserve.server.launch import BackgroundServer
 
@@ -47,3 +50,18 @@ def check_disconnect_aborts(server: BackgroundServer, path: str, body: dict[str,
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.generation_tokens_total < during.generation_tokens_total + 1000  # stopped well before the limit
+
+
+def script_turns(monkeypatch: pytest.MonkeyPatch, endpoint_module: ModuleType, deltas: list[TurnDelta],
+                 finished: FinishedTurn) -> None:
+    """Replace the engine driver an endpoint module calls (`run_turn`, `stream_turn`) by one scripted turn."""
+    async def stream(ctx: Any, prep: Any) -> AsyncIterator[TurnEvent]:
+        for delta in deltas:
+            yield delta
+        yield finished
+
+    async def run(ctx: Any, prep: Any, request: Any) -> FinishedTurn:
+        return finished
+
+    monkeypatch.setattr(endpoint_module, "stream_turn", stream)
+    monkeypatch.setattr(endpoint_module, "run_turn", run)

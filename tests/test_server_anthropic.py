@@ -16,7 +16,7 @@ import pytest
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
-from live_server import check_disconnect_aborts, openai_client  # noqa: E402
+from live_server import check_disconnect_aborts, openai_client, script_turns  # noqa: E402
 from starlette.requests import Request  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
@@ -227,17 +227,7 @@ def _scripted_turn():
 def scripted_turn(monkeypatch):
     """The engine driver replaced by a scripted reasoning + text + call turn (the wire writer is under test)."""
     deltas, finished = _scripted_turn()
-
-    async def stream(ctx, prep):
-        for delta in deltas:
-            yield delta
-        yield finished
-
-    async def run(ctx, prep, request):
-        return finished
-
-    monkeypatch.setattr(anthropic_messages, "stream_turn", stream)
-    monkeypatch.setattr(anthropic_messages, "run_turn", run)
+    script_turns(monkeypatch, anthropic_messages, deltas, finished)
 
 
 def test_thinking_text_and_tool_use_blocks_stream_as_the_sdk_expects(client, ctx, scripted_turn):

@@ -16,7 +16,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from live_server import check_disconnect_aborts, openai_client, running_server  # noqa: E402
+from live_server import check_disconnect_aborts, openai_client, running_server, script_turns  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
@@ -218,17 +218,7 @@ def scripted_turn(monkeypatch):
     call = ParsedToolCall(id="functions.get_weather:0", name="get_weather", arguments='{"city": "Rome"}', index=0,
                           valid_json=True, known_tool=True)
     finished = FinishedTurn("Let me think.", "It is sunny.", [call], "tool_calls", None, TurnUsage(40, 12, 16))
-
-    async def stream(ctx, prep):
-        for delta in deltas:
-            yield delta
-        yield finished
-
-    async def run(ctx, prep, request):
-        return finished
-
-    monkeypatch.setattr(openai_responses, "stream_turn", stream)
-    monkeypatch.setattr(openai_responses, "run_turn", run)
+    script_turns(monkeypatch, openai_responses, deltas, finished)
 
 
 def test_reasoning_message_and_call_items_stream_as_the_sdk_expects(server, client, ctx, scripted_turn):
