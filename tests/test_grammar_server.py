@@ -23,6 +23,7 @@ import jsonschema
 import pytest
 
 openai = pytest.importorskip("openai")
+from live_server import openai_client  # noqa: E402
 from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
 
 from kserve.config import EngineConfig  # noqa: E402
@@ -57,15 +58,8 @@ def conformance_schemas() -> list[tuple[str, dict]]:
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = BackgroundServer(ServerSettings(port=0, engine=EngineConfig(max_num_batched_tokens=4096))).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    return openai_client(server, timeout=600)
 
 
 @pytest.fixture(scope="module")
