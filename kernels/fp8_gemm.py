@@ -26,9 +26,10 @@ what the Triton GEMM does per K step; the torch path forms the same products fro
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
-from kserve.kernels.fp8_dequant import fp8_triton_runs
+from kserve.kernels.fp8_dequant import cuda_sm_count, fp8_triton_runs
 from kserve.kernels.fp8_quant import (
     FP8_DTYPE,
     FP8_MAX,
@@ -219,22 +220,26 @@ def quantize_per_token_group_triton(
     return q, scales
 
 
-def _gemm_config(m: int, interpret: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+@dataclass(frozen=True)
+class GemmTiles:
+    """How the GEMM kernel is launched for a batch size."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _gemm_tiles(m: int, interpret: bool) -> GemmTiles:
     if interpret:
-        return 16, 64, 4, 1
+        return GemmTiles(16, 64, 4, 1)
     if m <= 16:
-        return 16, 64, 4, 4
+        return GemmTiles(16, 64, 4, 4)
     if m <= 32:
-        return 32, 64, 4, 4
+        return GemmTiles(32, 64, 4, 4)
     if m <= 64:
-        return 64, 128, 4, 3
-    return 128, 128, 8, 3
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+        return GemmTiles(64, 128, 4, 3)
+    return GemmTiles(128, 128, 8, 3)
 
 
 def _split_k(m: int, k: int, tiles: int, groups: int, device: torch.device, interpret: bool) -> int:
@@ -247,7 +252,7 @@ def _split_k(m: int, k: int, tiles: int, groups: int, device: torch.device, inte
     N * K bytes, so larger batches, which fill the GPU anyway, are not split."""
     if interpret or device.type != "cuda":
         return 1
-    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    target = 2 * cuda_sm_count(device)
     return max(1, min(-(-target // tiles), groups // MIN_GROUPS_PER_SPLIT, k // (32 * max(1, m))))
 
 
@@ -275,8 +280,8 @@ def w8a8_block_matmul_quantized_triton(
     if tuple(x_scale.shape) != (m, num_groups(k, block[1])):
         raise ValueError(f"x_scale shape {tuple(x_scale.shape)} does not match x_q {tuple(x_q.shape)} in groups of {block[1]}")
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    bm, bn, warps, stages = _gemm_config(m, interpret)
-    bm, bn = block_m or bm, block_n or bn
+    launch = _gemm_tiles(m, interpret)
+    bm, bn = block_m or launch.block_m, block_n or launch.block_n
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0 or n == 0:
         return out
@@ -295,7 +300,7 @@ def w8a8_block_matmul_quantized_triton(
         x_q.contiguous(), x_scale.float().contiguous(), weight.contiguous(), weight_scale_inv.float().contiguous(), target,
         m, n, k, groups, per_split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block[1], SCALE_BLOCK_N=block[0], DOT_PRECISION=precision,
-        num_warps=warps, num_stages=stages,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if splits > 1:
         out.copy_(target.sum(dim=0))

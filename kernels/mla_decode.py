@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kserve.kernels.fp8_dequant import fp8_triton_runs, triton_available
+from kserve.kernels.fp8_dequant import cuda_sm_count, fp8_triton_runs, triton_available
 
 _FP8_DTYPES = (torch.float8_e4m3fn,)
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + _FP8_DTYPES
@@ -208,11 +208,6 @@ MIN_SPLIT_TOKENS = 128
 SPLIT_TOKENS_PER_HEAD = 32  # keeps partial-output traffic under ~11% of the latent reads
 MAX_SPLITS = 64
 DEFAULT_NUM_SMS = 132  # H200; used when no CUDA device is queried (the interpreter)
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def choose_launch(
@@ -403,11 +398,7 @@ def mla_decode_triton(
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
-    if q_lat.is_cuda:
-        index = q_lat.device.index if q_lat.device.index is not None else torch.cuda.current_device()
-        num_sms = _num_sms(index)
-    else:
-        num_sms = DEFAULT_NUM_SMS
+    num_sms = cuda_sm_count(q_lat.device) if q_lat.is_cuda else DEFAULT_NUM_SMS
     if launch is None:
         launch = choose_launch(
             batch, heads, max_blocks * block_size, kv_cache.dtype, q_lat.dtype, num_sms, num_splits
