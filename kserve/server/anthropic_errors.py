@@ -15,7 +15,7 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kserve.server.errors import APIError, from_validation_errors
+from kserve.server.errors import APIError, engine_error, from_validation_errors
 
 logger = logging.getLogger("kserve.server")
 
@@ -69,6 +69,10 @@ class AnthropicErrorRoute(APIRoute):
             except StarletteHTTPException as exc:
                 return error_response(APIError(exc.status_code, str(exc.detail)))
             except Exception as exc:
+                known = engine_error(exc)
+                if known is not None:
+                    logger.error("%s %s: %s", request.method, request.url.path, known.message)
+                    return error_response(known)
                 logger.exception("internal error handling %s %s", request.method, request.url.path)
                 return error_response(APIError(500, f"internal server error: {type(exc).__name__}"))
 

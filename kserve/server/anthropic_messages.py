@@ -36,7 +36,7 @@ from kserve.server.anthropic_protocol import (
 from kserve.server.chat_request import render_chat
 from kserve.server.chat_turn import FinishedTurn, TurnDelta, run_turn, stream_turn
 from kserve.server.context import ServingContext
-from kserve.server.errors import APIError
+from kserve.server.errors import APIError, stream_failure
 from kserve.server.protocol import ChatCompletionRequest
 from kserve.server.serving_chat import PreparedChat, prepare_chat
 from kserve.server.validation import reject_unsupported, schema_error, unresolvable_ref
@@ -392,7 +392,7 @@ async def stream_messages(ctx: ServingContext, prep: PreparedChat) -> AsyncItera
         yield sse(error_body(exc))
     except Exception as exc:
         logger.exception("request %s: error while streaming", prep.request_id)
-        yield sse(error_body(APIError(500, f"internal error while streaming: {type(exc).__name__}")))
+        yield sse(error_body(stream_failure(exc)))
 
 
 async def run_messages(ctx: ServingContext, prep: PreparedChat, request: Any) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 
 from kserve.server.chat_turn import FinishedTurn, TurnDelta, run_turn, stream_turn
 from kserve.server.context import ServingContext
-from kserve.server.errors import APIError, bad_request
+from kserve.server.errors import APIError, bad_request, stream_failure
 from kserve.server.protocol import ChatCompletionRequest
 from kserve.server.responses_protocol import (
     UNSUPPORTED_RESPONSES_FIELDS,
@@ -501,7 +501,7 @@ async def stream_response(ctx: ServingContext, store: ResponseStore, prep: Prepa
             error = exc
         else:
             logger.exception("request %s: error while streaming", prep.response_id)
-            error = APIError(500, f"internal error while streaming: {type(exc).__name__}", code="internal_error")
+            error = stream_failure(exc)
         yield writer.event("error", code=error.code, message=error.message, param=error.param)
         failed = response_object(ctx, prep, status="failed", output=writer.output,
                                  error={"code": error.code or "server_error", "message": error.message})
