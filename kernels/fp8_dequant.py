@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from kserve.kernels.triton_support import fp8_triton_runs
+
 
 def scale_shape(shape: tuple[int, int], block: tuple[int, int] = (128, 128)) -> tuple[int, int]:
     return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
@@ -61,29 +63,6 @@ def _triton_kernel():
         tl.store(out_ptr + offs, (w * s).to(out_ptr.dtype.element_ty), mask=mask)
 
     return dequant_kernel
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def cuda_sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (the current one when `device` has no index)."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def fp8_triton_runs(device: torch.device) -> bool:
-    """Whether Triton kernels with fp8 operands run on `device`: Triton loads float8_e4m3fn natively from sm89."""
-    return device.type == "cuda" and triton_available() and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def dequantize_blocks_triton(

@@ -29,7 +29,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from kserve.kernels.fp8_dequant import cuda_sm_count, fp8_triton_runs
+
 from kserve.kernels.fp8_quant import (
     FP8_DTYPE,
     FP8_MAX,
@@ -38,6 +38,7 @@ from kserve.kernels.fp8_quant import (
     num_groups,
     quantize_per_token_group_torch,
 )
+from kserve.kernels.triton_support import cuda_sm_count, fp8_triton_runs
 
 SUPPORTED_BLOCK = (128, 128)
 # Split-K never gives a program fewer K groups than this.

@@ -75,6 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from kserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, num_groups, quantize_per_token_group_torch
+from kserve.kernels.triton_support import fp8_triton_runs, triton_available
 
 DEFAULT_BLOCK = (128, 128)
 
@@ -344,14 +345,6 @@ def align_pairs_to_experts(
 # --- Triton -----------------------------------------------------------------------------------------------
 
 
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 @dataclass(frozen=True)
 class MoeTileConfig:
     block_m: int
@@ -486,11 +479,9 @@ def fused_moe_triton(
 
 
 def _use_triton(x: torch.Tensor, w13: torch.Tensor, quantized: bool) -> bool:
-    if not (x.is_cuda and triton_available()):
-        return False
     if quantized:
-        return w13.dtype == FP8_DTYPE and torch.cuda.get_device_capability(x.device) >= (8, 9)
-    return True
+        return w13.dtype == FP8_DTYPE and fp8_triton_runs(x.device)
+    return x.is_cuda and triton_available()
 
 
 @torch.library.custom_op("kserve::fused_moe", mutates_args=())

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kserve.kernels.fp8_dequant import cuda_sm_count, fp8_triton_runs, triton_available
+from kserve.kernels.triton_support import cuda_sm_count, fp8_triton_runs, triton_available
 
 _FP8_DTYPES = (torch.float8_e4m3fn,)
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + _FP8_DTYPES

@@ -51,7 +51,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Triton on CUDA when available, torch otherwise."""
     if x.is_cuda and weight.dtype == x.dtype:
-        from kserve.kernels.fp8_dequant import triton_available
+        from kserve.kernels.triton_support import triton_available
 
         if triton_available():
             return rms_norm_triton(x, weight, eps)

@@ -1,13 +1,8 @@
 import pytest
 import torch
 
-from kserve.kernels.fp8_dequant import (
-    dequantize_blocks,
-    dequantize_blocks_torch,
-    quantize_blocks_torch,
-    scale_shape,
-    triton_available,
-)
+from kserve.kernels.fp8_dequant import dequantize_blocks, dequantize_blocks_torch, quantize_blocks_torch, scale_shape
+from kserve.kernels.triton_support import triton_available
 
 RAGGED_SHAPES = [(160, 256), (300, 200), (128, 128), (1, 5), (257, 129)]
 

@@ -5,13 +5,10 @@ import os
 
 import pytest
 import torch
-from kserve.kernels.fp8_dequant import triton_available
+
 from kserve.kernels.fp8_gemm import fp8_block_linear, w8a8_block_matmul_torch
-from kserve.kernels.fp8_quant import (
-    FP8_DTYPE,
-    dequantize_per_token_group_torch,
-    quantize_per_token_group_torch,
-)
+from kserve.kernels.fp8_quant import FP8_DTYPE, dequantize_per_token_group_torch, quantize_per_token_group_torch
+from kserve.kernels.triton_support import triton_available
 
 needs_interpreter = pytest.mark.skipif(
     not triton_available() or os.environ.get("TRITON_INTERPRET") != "1",

@@ -11,13 +11,8 @@ import torch.nn.functional as F
 
 from kserve.kernels.fp8_dequant import dequantize_blocks_torch, quantize_blocks_torch
 from kserve.kernels.fp8_quant import dequantize_per_token_group_torch, quantize_per_token_group_torch
-from kserve.kernels.fused_moe import (
-    _fp8_as_half_times_256,
-    align_pairs_to_experts,
-    fused_moe,
-    fused_moe_torch,
-    triton_available,
-)
+from kserve.kernels.fused_moe import _fp8_as_half_times_256, align_pairs_to_experts, fused_moe, fused_moe_torch
+from kserve.kernels.triton_support import triton_available
 
 
 def make_case(tokens, hidden, inter, experts, top_k, *, first_expert=0, total_experts=None, fp8=False,

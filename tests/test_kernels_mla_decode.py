@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kserve.kernels.fp8_dequant import triton_available
 from kserve.kernels.mla_decode import choose_launch, mla_decode, mla_decode_torch
+from kserve.kernels.triton_support import triton_available
 
 FP8_MAX = 448.0
 

@@ -3,8 +3,8 @@ import os
 import pytest
 import torch
 
-from kserve.kernels.fp8_dequant import triton_available
 from kserve.kernels.rmsnorm import rms_norm, rms_norm_torch
+from kserve.kernels.triton_support import triton_available
 
 
 def test_torch_rmsnorm_matches_definition():

@@ -26,13 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kserve.distributed import ParallelState
-from kserve.kernels.fp8_dequant import dequantize_blocks, scale_shape, triton_available
+from kserve.kernels.fp8_dequant import dequantize_blocks, scale_shape
 from kserve.kernels.fp8_gemm import (
     fp8_block_linear,
     w8a8_block_matmul_quantized_torch,
     w8a8_block_matmul_quantized_triton,
 )
 from kserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
+from kserve.kernels.triton_support import fp8_triton_runs
 
 
 def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
@@ -159,9 +160,7 @@ class RowParallelLinear(ShardedLinear):
         amax = self.parallel.all_reduce_max(amax)[:, first : first + groups]
         scales = amax.clamp(min=SCALE_FLOOR) / FP8_MAX
         x_q = (tiles / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(x2.shape[0], groups * b1)[:, : x2.shape[1]]
-        # Triton loads float8_e4m3fn natively from sm89 on (as fp8_block_linear decides)
-        fp8_triton = x.is_cuda and triton_available() and torch.cuda.get_device_capability(x.device) >= (8, 9)
-        if self.weight.dtype == torch.float8_e4m3fn and fp8_triton:
+        if self.weight.dtype == torch.float8_e4m3fn and fp8_triton_runs(x.device):
             y = w8a8_block_matmul_quantized_triton(
                 x_q.to(FP8_DTYPE).contiguous(), scales, self.weight, self.weight_scale_inv, self.block, x.dtype
             )

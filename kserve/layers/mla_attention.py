@@ -31,7 +31,7 @@ def flash_attn_varlen():
     """flash-attn's varlen function when installed, else None (it is an optional CUDA extra)."""
     try:
         from flash_attn import flash_attn_varlen_func
-    except Exception:
+    except ImportError:
         return None
     return flash_attn_varlen_func
 

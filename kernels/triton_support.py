@@ -1,0 +1,31 @@
+"""Where Triton kernels can run: whether triton is installed, whether a device runs fp8 Triton kernels,
+and a device's SM count for sizing split launches."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def cuda_sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the current one when `device` has no index)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def fp8_triton_runs(device: torch.device) -> bool:
+    """Whether Triton kernels with fp8 operands run on `device`: Triton loads float8_e4m3fn natively from sm89."""
+    return device.type == "cuda" and triton_available() and torch.cuda.get_device_capability(device) >= (8, 9)
