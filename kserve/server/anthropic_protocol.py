@@ -10,7 +10,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from kserve.server.protocol import StrictRequest
 
 # Anthropic fields this server does not implement: field -> why.
 UNSUPPORTED_MESSAGES_FIELDS: Mapping[str, str] = MappingProxyType({
@@ -19,11 +21,7 @@ UNSUPPORTED_MESSAGES_FIELDS: Mapping[str, str] = MappingProxyType({
 })
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class AnthropicTool(_Request):
+class AnthropicTool(StrictRequest):
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
@@ -31,33 +29,33 @@ class AnthropicTool(_Request):
     strict: bool | None = None
 
 
-class AnthropicToolChoice(_Request):
+class AnthropicToolChoice(StrictRequest):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class ThinkingConfig(_Request):
+class ThinkingConfig(StrictRequest):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(default=None, ge=1)
 
 
-class JsonOutputFormat(_Request):
+class JsonOutputFormat(StrictRequest):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Request):
+class OutputConfig(StrictRequest):
     format: JsonOutputFormat | None = None
     effort: str | None = None
 
 
-class MessageParam(_Request):
+class MessageParam(StrictRequest):
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]]
 
 
-class CountTokensRequest(_Request):
+class CountTokensRequest(StrictRequest):
     model: str
     messages: list[MessageParam]
     system: str | list[dict[str, Any]] | None = None

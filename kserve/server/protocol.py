@@ -30,7 +30,8 @@ UNSUPPORTED_COMPLETION_FIELDS: Mapping[str, str] = MappingProxyType({
 })
 
 
-class _Request(BaseModel):
+class StrictRequest(BaseModel):
+    """A request body part: strict types (no string-to-number coercion), unknown fields ignored."""
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
@@ -41,24 +42,24 @@ class _Response(BaseModel):
 # ----------------------------------------------------------------------------- requests
 
 
-class ContentPart(_Request):
+class ContentPart(StrictRequest):
     type: str
     text: str | None = None
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-class FunctionCallMessage(_Request):
+class FunctionCallMessage(StrictRequest):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCallMessage(_Request):
+class ToolCallMessage(StrictRequest):
     id: str | None = None
     type: str = "function"
     function: FunctionCallMessage
 
 
-class ChatMessage(_Request):
+class ChatMessage(StrictRequest):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -67,44 +68,44 @@ class ChatMessage(_Request):
     reasoning_content: str | None = None
 
 
-class FunctionDefinition(_Request):
+class FunctionDefinition(StrictRequest):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDefinition(_Request):
+class ToolDefinition(StrictRequest):
     type: str = "function"
     function: FunctionDefinition
 
 
-class ChatToolChoiceFunction(_Request):
+class ChatToolChoiceFunction(StrictRequest):
     name: str
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(StrictRequest):
     type: str = "function"
     function: ChatToolChoiceFunction
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(StrictRequest):
     name: str
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(StrictRequest):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StreamOptions(_Request):
+class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class SamplingFields(_Request):
+class SamplingFields(StrictRequest):
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)

@@ -10,7 +10,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from kserve.server.protocol import StrictRequest
 
 UNSUPPORTED_RESPONSES_FIELDS: Mapping[str, str] = MappingProxyType({
     "background": "background responses are not supported",
@@ -19,11 +21,7 @@ UNSUPPORTED_RESPONSES_FIELDS: Mapping[str, str] = MappingProxyType({
 })
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class ResponsesTool(_Request):
+class ResponsesTool(StrictRequest):
     type: str
     name: str | None = None
     description: str | None = None
@@ -31,12 +29,12 @@ class ResponsesTool(_Request):
     strict: bool | None = None
 
 
-class NamedFunctionChoice(_Request):
+class NamedFunctionChoice(StrictRequest):
     type: str
     name: str | None = None
 
 
-class TextFormat(_Request):
+class TextFormat(StrictRequest):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
@@ -44,17 +42,17 @@ class TextFormat(_Request):
     strict: bool | None = None
 
 
-class TextConfig(_Request):
+class TextConfig(StrictRequest):
     format: TextFormat | None = None
     verbosity: str | None = None
 
 
-class ReasoningConfig(_Request):
+class ReasoningConfig(StrictRequest):
     effort: str | None = None
     summary: str | None = None
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(StrictRequest):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None

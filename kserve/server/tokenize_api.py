@@ -9,19 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from kserve.server.chat_request import render_chat
 from kserve.server.context import ServingContext
 from kserve.server.errors import bad_request
-from kserve.server.protocol import ChatCompletionRequest
+from kserve.server.protocol import ChatCompletionRequest, StrictRequest
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TokenizeRequest(_Request):
+class TokenizeRequest(StrictRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -29,7 +23,7 @@ class TokenizeRequest(_Request):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(StrictRequest):
     model: str | None = None
     tokens: list[int]
 
