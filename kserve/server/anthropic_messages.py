@@ -39,7 +39,8 @@ from kserve.server.context import ServingContext
 from kserve.server.errors import APIError, stream_failure
 from kserve.server.protocol import ChatCompletionRequest
 from kserve.server.serving_chat import PreparedChat, prepare_chat
-from kserve.server.validation import reject_unsupported, schema_error, unresolvable_ref
+from kserve.server.sse import sse_typed_event
+from kserve.server.validation import reject_unsupported, schema_problem
 
 logger = logging.getLogger("kserve.server")
 
@@ -188,13 +189,9 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
 
 
 def _check_schema(schema: Any, where: str) -> None:
-    exc = schema_error(schema)
-    if exc is not None:
-        path = "/".join(str(p) for p in exc.path) or "(root)"
-        raise invalid(f"{where} is not a valid JSON schema at {path}: {exc.message}")
-    problem = unresolvable_ref(schema)
+    problem = schema_problem(schema, where)
     if problem is not None:
-        raise invalid(f"{where}: {problem}")
+        raise invalid(problem)
 
 
 def chat_tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
@@ -317,10 +314,6 @@ def message_body(request_id: str, model: str, turn: FinishedTurn) -> dict[str, A
             "stop_reason": _stop_reason(turn), "stop_sequence": turn.stop_sequence, "usage": _usage(turn)}
 
 
-def sse(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
 class _ContentBlocks:
     """Opens and closes content blocks as the deltas change kind: thinking, text, one tool_use per call."""
 
@@ -333,16 +326,16 @@ class _ContentBlocks:
         events = self.close()
         self.index += 1
         self.kind = kind
-        return [*events, sse({"type": "content_block_start", "index": self.index, "content_block": block})]
+        return [*events, sse_typed_event({"type": "content_block_start", "index": self.index, "content_block": block})]
 
     def _delta(self, delta: dict[str, Any]) -> str:
-        return sse({"type": "content_block_delta", "index": self.index, "delta": delta})
+        return sse_typed_event({"type": "content_block_delta", "index": self.index, "delta": delta})
 
     def close(self) -> list[str]:
         if self.kind is None:
             return []
         self.kind = None
-        return [sse({"type": "content_block_stop", "index": self.index})]
+        return [sse_typed_event({"type": "content_block_stop", "index": self.index})]
 
     def feed(self, delta: TurnDelta) -> list[str]:
         events: list[str] = []
@@ -369,10 +362,10 @@ async def stream_messages(ctx: ServingContext, prep: PreparedChat) -> AsyncItera
     """Anthropic's event stream; an error after the first event is an in-band `error` event."""
     start_usage = {"input_tokens": len(prep.prompt_ids), "output_tokens": 0, "cache_read_input_tokens": 0,
                    "cache_creation_input_tokens": 0}
-    yield sse({"type": "message_start", "message": {
+    yield sse_typed_event({"type": "message_start", "message": {
         "id": prep.request_id, "type": "message", "role": "assistant", "model": ctx.model_name, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
-    yield sse({"type": "ping"})
+    yield sse_typed_event({"type": "ping"})
     blocks = _ContentBlocks()
     try:
         async with contextlib.aclosing(stream_turn(ctx, prep)) as events:  # closing aborts the engine request now
@@ -383,16 +376,16 @@ async def stream_messages(ctx: ServingContext, prep: PreparedChat) -> AsyncItera
                     continue
                 for text in blocks.close():
                     yield text
-                yield sse({"type": "message_delta",
+                yield sse_typed_event({"type": "message_delta",
                            "delta": {"stop_reason": _stop_reason(event), "stop_sequence": event.stop_sequence},
                            "usage": _usage(event)})
-                yield sse({"type": "message_stop"})
+                yield sse_typed_event({"type": "message_stop"})
     except APIError as exc:
         logger.warning("request %s: %s", prep.request_id, exc.message)
-        yield sse(error_body(exc))
+        yield sse_typed_event(error_body(exc))
     except Exception as exc:
         logger.exception("request %s: error while streaming", prep.request_id)
-        yield sse(error_body(stream_failure(exc)))
+        yield sse_typed_event(error_body(stream_failure(exc)))
 
 
 async def run_messages(ctx: ServingContext, prep: PreparedChat, request: Any) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import time
 import uuid
@@ -35,7 +34,8 @@ from kserve.server.responses_protocol import (
 )
 from kserve.server.responses_store import ResponseStore, StoredResponse
 from kserve.server.serving_chat import PreparedChat, prepare_chat
-from kserve.server.validation import reject_unsupported, schema_error, unresolvable_ref
+from kserve.server.sse import sse_typed_event
+from kserve.server.validation import reject_unsupported, schema_problem
 
 logger = logging.getLogger("kserve.server")
 
@@ -174,13 +174,9 @@ def chat_messages(instructions: str | None, items: list[tuple[str, dict[str, Any
 
 
 def _check_schema(schema: Any, param: str) -> None:
-    exc = schema_error(schema)
-    if exc is not None:
-        path = "/".join(str(p) for p in exc.path) or "(root)"
-        raise bad_request(f"'{param}' is not a valid JSON schema at {path}: {exc.message}", param, "invalid_schema")
-    problem = unresolvable_ref(schema)
+    problem = schema_problem(schema, f"'{param}'")
     if problem is not None:
-        raise bad_request(f"'{param}': {problem}", param, "invalid_schema")
+        raise bad_request(problem, param, "invalid_schema")
 
 
 def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
@@ -403,8 +399,7 @@ class _EventWriter:
         self.call_index: int | None = None
 
     def event(self, kind: str, **fields: Any) -> str:
-        data = {"type": kind, **fields, "sequence_number": next(self.sequence)}
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return sse_typed_event({"type": kind, **fields, "sequence_number": next(self.sequence)})
 
     @property
     def index(self) -> int:

@@ -1,4 +1,4 @@
-"""JSON bodies and server-sent events in OpenAI's wire shape."""
+"""JSON bodies and server-sent events: OpenAI's `data:`-only events and typed `event:` + `data:` ones."""
 
 from __future__ import annotations
 
@@ -21,8 +21,17 @@ def openai_json(body: BaseModel | dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def _compact_json(data: dict[str, Any]) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
 def sse_event(body: BaseModel | dict[str, Any]) -> str:
-    return f"data: {json.dumps(openai_json(body), ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_compact_json(openai_json(body))}\n\n"
+
+
+def sse_typed_event(data: dict[str, Any]) -> str:
+    """An event named by its body's 'type' (`event: TYPE`, then the data line): Anthropic's and Responses' shape."""
+    return f"event: {data['type']}\ndata: {_compact_json(data)}\n\n"
 
 
 def sse_done() -> str:

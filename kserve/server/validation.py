@@ -196,6 +196,19 @@ def unresolvable_ref(schema: Any) -> str | None:
     return None
 
 
+def schema_problem(schema: Any, label: str) -> str | None:
+    """Why `schema`, the request field `label`, cannot constrain output (not a JSON schema, or a `$ref` that
+    does not resolve within it), as a sentence naming `label`; None when it can."""
+    exc = schema_error(schema)
+    if exc is not None:
+        path = "/".join(str(p) for p in exc.path) or "(root)"
+        return f"{label} is not a valid JSON schema at {path}: {exc.message}"
+    problem = unresolvable_ref(schema)
+    if problem is not None:
+        return f"{label}: {problem}"
+    return None
+
+
 def normalize_tools(tools: list[ToolDefinition] | None, raw_tools: Any) -> list[dict[str, Any]] | None:
     """The client's tool dicts, unchanged (the prompt shows them key for key), once each is checked."""
     if tools is None:
@@ -215,15 +228,9 @@ def normalize_tools(tools: list[ToolDefinition] | None, raw_tools: Any) -> list[
         seen.add(name)
         params = tool.function.parameters
         if params is not None:
-            exc = schema_error(params)
-            if exc is not None:
-                path = "/".join(str(p) for p in exc.path) or "(root)"
-                raise bad_request(f"{where}.function.parameters is not a valid JSON schema at {path}: "
-                                  f"{exc.message}", f"{where}.function.parameters", "invalid_tool_schema")
-            problem = unresolvable_ref(params)
+            problem = schema_problem(params, f"{where}.function.parameters of tool {name!r}")
             if problem is not None:
-                raise bad_request(f"{where}.function.parameters of tool {name!r}: {problem}",
-                                  f"{where}.function.parameters", "invalid_tool_schema")
+                raise bad_request(problem, f"{where}.function.parameters", "invalid_tool_schema")
         out.append(raw_tools[i])
     return out
 
@@ -255,15 +262,9 @@ def check_response_format(fmt: ResponseFormat | None) -> None:
     if fmt.json_schema is None:
         raise bad_request("'response_format' of type 'json_schema' needs a 'json_schema' object",
                           "response_format.json_schema", "missing_required_parameter")
-    schema = fmt.json_schema.schema_
-    exc = schema_error(schema)
-    if exc is not None:
-        raise bad_request(f"'response_format.json_schema.schema' is not a valid JSON schema: {exc.message}",
-                          "response_format.json_schema.schema", "invalid_schema")
-    problem = unresolvable_ref(schema)
+    problem = schema_problem(fmt.json_schema.schema_, "'response_format.json_schema.schema'")
     if problem is not None:
-        raise bad_request(f"'response_format.json_schema.schema': {problem}", "response_format.json_schema.schema",
-                          "invalid_schema")
+        raise bad_request(problem, "response_format.json_schema.schema", "invalid_schema")
 
 
 def check_chat_request(req: ChatCompletionRequest) -> None:
