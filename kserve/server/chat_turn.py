@@ -14,13 +14,12 @@ from typing import Any
 
 from kserve.chat import ToolCall as ParsedToolCall
 from kserve.server.context import ServingContext
-from kserve.server.outcome import finish_reason, unfinished
+from kserve.server.outcome import unfinished
 from kserve.server.protocol import ChatDelta, ToolCallDeltaOut
 from kserve.server.serving_chat import (
     NO_ARGUMENTS,
     ChoiceStream,
     PreparedChat,
-    check_tool_calls,
     generate_whole,
     parse_choice,
 )
@@ -116,11 +115,7 @@ async def stream_turn(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
             if not delta.empty():
                 yield delta
             if finished:
-                calls = state.calls() if state.tool_parser is not None else []
-                if state.tool_parser is not None:
-                    check_tool_calls(ctx, prep.request_id, calls, state.tool_parser.section_opened, prep.tools)
-                finish = finish_reason(output.finish_reason, bool(calls))
-                ctx.metrics.count_finish(finish)
+                calls, finish = state.finish(ctx, prep, output.finish_reason)
                 usage = _usage(prep, out)
                 _record(ctx, usage, first_token, start)
                 saw_reasoning = state.reasoning_parser is not None and state.reasoning_parser.saw_reasoning

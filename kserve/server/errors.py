@@ -84,6 +84,16 @@ def stream_failure(exc: BaseException) -> APIError:
     return APIError(500, f"internal error while streaming: {type(exc).__name__}", code="internal_error")
 
 
+def logged_stream_failure(exc: Exception, request_id: str) -> APIError:
+    """`stream_failure(exc)`, logged: with the traceback when it is an internal error, as one line otherwise."""
+    error = stream_failure(exc)
+    if error.code == "internal_error":
+        logger.exception("request %s: error while streaming", request_id)
+    else:
+        logger.error("request %s: %s", request_id, error.message)
+    return error
+
+
 # pydantic puts union branch tags in error locations ("str", "list[ContentPart]", "NamedToolChoice",
 # "function-after[...]"); field names here are lower_snake_case, so anything else is a tag.
 _FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")

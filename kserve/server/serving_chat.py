@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import jsonschema
 import referencing.exceptions
@@ -21,8 +22,13 @@ from kserve.chat import (
 from kserve.chat import ToolCall as ParsedToolCall
 from kserve.engine.errors import PromptRejected
 from kserve.server.chat_request import render_chat
-from kserve.server.context import DisconnectWatch, ServingContext, engine_refused, new_request_id
-from kserve.server.errors import APIError, stream_failure
+from kserve.server.context import (
+    DisconnectWatch,
+    ServingContext,
+    engine_refused,
+    new_request_id,
+)
+from kserve.server.errors import APIError, logged_stream_failure
 from kserve.server.guided import compile_grammar, grammar_spec
 from kserve.server.logprobs import chat_logprobs
 from kserve.server.outcome import client_gone, finish_reason, unfinished, usage_info
@@ -258,6 +264,15 @@ class ChoiceStream:
         calls = self.tool_parser.calls if self.tool_parser is not None else []
         return calls if self.max_calls is None else calls[: self.max_calls]
 
+    def finish(self, ctx: ServingContext, prep: PreparedChat, engine_reason: str) -> tuple[list[ParsedToolCall], str]:
+        """The choice's tool calls (checked as whole-response calls are) and its finish reason, counted."""
+        calls = self.calls()
+        if self.tool_parser is not None:
+            check_tool_calls(ctx, prep.request_id, calls, self.tool_parser.section_opened, prep.tools)
+        finish = finish_reason(engine_reason, bool(calls))
+        ctx.metrics.count_finish(finish)
+        return calls, finish
+
     def _merge_call_delta(self, calls: list[ToolCallDeltaOut], d: Any) -> None:
         if self.max_calls is not None and d.index >= self.max_calls:
             return
@@ -312,7 +327,8 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
                     yield chunk(ChatChunkChoice(index=state.index, delta=delta, logprobs=logprobs))
                 if finished:
                     state.done = True
-                    final_choice = _final_choice(ctx, prep, state, output.finish_reason)
+                    _, finish = state.finish(ctx, prep, output.finish_reason)
+                    final_choice = ChatChunkChoice(index=state.index, delta=ChatDelta(), finish_reason=finish)
                     if include_usage and prep.params.n == 1:
                         # Moonshot's API also puts usage in the last choice; the K2 vendor verifier reads it there.
                         final_choice.usage = usage_info(len(prep.prompt_ids), out.outputs, out.num_cached_tokens)
@@ -324,12 +340,7 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
         yield sse_error(exc.body())
         return
     except Exception as exc:
-        error = stream_failure(exc)
-        if error.code == "internal_error":
-            logger.exception("request %s: error while streaming", rid)
-        else:
-            logger.error("request %s: %s", rid, error.message)
-        yield sse_error(error.body())
+        yield sse_error(logged_stream_failure(exc, rid).body())
         return
     finally:
         if final is None or not final.finished:
@@ -342,13 +353,3 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
         ctx.metrics.count_tokens(usage.prompt_tokens, usage.completion_tokens)
     ctx.metrics.observe_latency(first_token, time.monotonic() - start)
     yield sse_done()
-
-
-def _final_choice(ctx: ServingContext, prep: PreparedChat, state: ChoiceStream, engine_reason: str) -> ChatChunkChoice:
-    calls: list[ParsedToolCall] = []
-    if state.tool_parser is not None:
-        calls = state.calls()
-        check_tool_calls(ctx, prep.request_id, calls, state.tool_parser.section_opened, prep.tools)
-    finish = finish_reason(engine_reason, bool(calls))
-    ctx.metrics.count_finish(finish)
-    return ChatChunkChoice(index=state.index, delta=ChatDelta(), finish_reason=finish)

@@ -21,7 +21,7 @@ from kserve.server.context import (
     engine_refused,
     new_request_id,
 )
-from kserve.server.errors import APIError, bad_request, stream_failure
+from kserve.server.errors import APIError, bad_request, logged_stream_failure
 from kserve.server.logprobs import completion_logprobs
 from kserve.server.outcome import client_gone, finish_reason, unfinished, usage_info
 from kserve.server.protocol import (
@@ -237,12 +237,7 @@ async def stream_completion(ctx: ServingContext, prep: PreparedCompletion) -> As
         yield sse_error(exc.body())
         return
     except Exception as exc:
-        error = stream_failure(exc)
-        if error.code == "internal_error":
-            logger.exception("request %s: error while streaming", rid)
-        else:
-            logger.error("request %s: %s", rid, error.message)
-        yield sse_error(error.body())
+        yield sse_error(logged_stream_failure(exc, rid).body())
         return
     usage = _usage(prep, finals)
     ctx.metrics.count_tokens(usage.prompt_tokens, usage.completion_tokens)
