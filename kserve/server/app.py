@@ -16,12 +16,28 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import BaseRoute, Match
 
-from kserve.server.anthropic_errors import AnthropicErrorRoute, check_api_key, error_response_for_path
-from kserve.server.anthropic_messages import count_tokens, prepare_messages, run_messages, stream_messages
+from kserve.server.anthropic_errors import (
+    AnthropicErrorRoute,
+    check_api_key,
+    error_response_for_path,
+)
+from kserve.server.anthropic_messages import (
+    count_tokens,
+    prepare_messages,
+    run_messages,
+    stream_messages,
+)
 from kserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from kserve.server.context import ServerSettings, ServingContext
 from kserve.server.errors import APIError, install_error_handlers
 from kserve.server.metrics import ServerMetrics
+from kserve.server.openai_responses import (
+    delete_response,
+    get_response,
+    prepare_response,
+    run_response,
+    stream_response,
+)
 from kserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -30,20 +46,22 @@ from kserve.server.protocol import (
     ModelCard,
     ModelList,
 )
-from kserve.server.openai_responses import (
-    delete_response,
-    get_response,
-    prepare_response,
-    run_response,
-    stream_response,
-)
+from kserve.server.request_log import RequestIdMiddleware, bind_request_id
 from kserve.server.responses_protocol import ResponsesRequest
 from kserve.server.responses_store import ResponseStore
 from kserve.server.serving_chat import prepare_chat, run_chat, stream_chat
-from kserve.server.serving_completion import prepare_completion, run_completion, stream_completion
-from kserve.server.request_log import RequestIdMiddleware, bind_request_id
+from kserve.server.serving_completion import (
+    prepare_completion,
+    run_completion,
+    stream_completion,
+)
 from kserve.server.sse import openai_json
-from kserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from kserve.server.tokenize_api import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+)
 
 logger = logging.getLogger("kserve.server")
 
