@@ -66,7 +66,7 @@ def main() -> None:
 
     from kserve.chat import load_tokenizer
     from kserve.config import ModelConfig
-    from kserve.tiny_checkpoint import ensure_embedded_model
+    from kserve.tiny import ensure_embedded_model
 
     model_dir = ensure_embedded_model()
     tokenizer = load_tokenizer(args.tokenizer or model_dir)

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_server(args) or 0
     if args.command == "make-tiny":
-        from kserve.tiny_checkpoint import write_tiny_checkpoint
+        from kserve.tiny import write_tiny_checkpoint
 
         path = write_tiny_checkpoint(args.dir, seed=args.seed, variant=args.variant, geometry=args.geometry)
         print(path)
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         from kserve.chat.render_cli import run_render
 
         if args.model_dir is None:
-            from kserve.tiny_checkpoint import ensure_embedded_model
+            from kserve.tiny import ensure_embedded_model
 
             args.model_dir = str(ensure_embedded_model())
 

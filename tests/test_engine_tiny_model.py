@@ -22,7 +22,7 @@ from kserve.engine.sampling_params import SamplingParams
 def tiny():
     from kserve.chat import load_tokenizer
     from kserve.model import load_model
-    from kserve.tiny_checkpoint import ensure_embedded_model
+    from kserve.tiny import ensure_embedded_model
 
     model_dir = Path(ensure_embedded_model())
     # Dequantized weights: these tests compare different batchings token for token, and on the FP8

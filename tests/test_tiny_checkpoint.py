@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from kserve.config import ModelConfig
-from kserve.tiny_checkpoint import BASE_VOCAB, ensure_embedded_model, write_tiny_checkpoint
+from kserve.tiny import BASE_VOCAB, ensure_embedded_model, write_tiny_checkpoint
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
@@ -123,7 +123,7 @@ def test_tiktoken_encodes_text_with_the_learned_merges(tiny_k2_dir):
     tiktoken = pytest.importorskip("tiktoken")
     from tiktoken.load import load_tiktoken_bpe
 
-    from kserve.tiny_checkpoint import K2_PAT_STR
+    from kserve.tiny import K2_PAT_STR
 
     ranks = load_tiktoken_bpe(str(tiny_k2_dir / "tiktoken.model"))
     enc = tiktoken.Encoding(name="tiny", pat_str=K2_PAT_STR, mergeable_ranks=ranks, special_tokens={})

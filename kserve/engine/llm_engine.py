@@ -125,7 +125,7 @@ class LLMEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         if config.model is None:
-            from kserve.tiny_checkpoint import ensure_embedded_model
+            from kserve.tiny import ensure_embedded_model
 
             model_dir = Path(ensure_embedded_model())
         else:
