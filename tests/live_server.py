@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -13,6 +14,7 @@ import openai
 import pytest
 
 from kserve.config import EngineConfig
+from kserve.engine.faults import STEP_FAULTS_KEY, StepFaults
 from kserve.server.chat_turn import FinishedTurn, TurnDelta, TurnEvent
 from kserve.server.context import ServerSettings
 from kserve.server.launch import BackgroundServer
@@ -27,6 +29,26 @@ def running_server(engine: EngineConfig | None = None, **settings: Any) -> Itera
         yield server
     finally:
         server.stop()
+
+
+@contextmanager
+def server_with_step_faults(trigger: Path) -> Iterator[BackgroundServer]:
+    """A started server whose every model step fails once `trigger` exists (the engine's step-fault test hook)."""
+    with running_server(EngineConfig(extra={STEP_FAULTS_KEY: StepFaults(trigger_file=str(trigger))})) as server:
+        yield server
+
+
+def stream_until_engine_death(url: str, body: dict[str, Any], trigger: Path) -> list[str]:
+    """The SSE data lines of a stream to `url`; `trigger` is touched once three have arrived."""
+    events: list[str] = []
+    with httpx.stream("POST", url, json=body, timeout=60) as stream:
+        assert stream.status_code == 200
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 3:
+                    trigger.touch()
+    return events
 
 
 def openai_client(server: BackgroundServer, timeout: float = 300) -> openai.OpenAI:

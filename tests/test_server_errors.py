@@ -16,6 +16,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from live_server import running_server
+
 from kserve.config import EngineConfig  # noqa: E402
 from kserve.server.context import ServerSettings  # noqa: E402
 from kserve.server.launch import BackgroundServer  # noqa: E402
@@ -31,11 +33,9 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
 
 @pytest.fixture(scope="module")
 def server():
-    settings = ServerSettings(port=0, api_key=KEY, served_model_name=MODEL, max_request_bytes=BODY_LIMIT,
-                              max_concurrent_requests=2, engine=EngineConfig(max_model_len=MAX_MODEL_LEN))
-    srv = BackgroundServer(settings).start()
-    yield srv
-    srv.stop()
+    with running_server(EngineConfig(max_model_len=MAX_MODEL_LEN), api_key=KEY, served_model_name=MODEL,
+                        max_request_bytes=BODY_LIMIT, max_concurrent_requests=2) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +273,7 @@ class _HeldEngine:
 def test_too_many_concurrent_requests_get_429():
     from kserve.chat import ChatTemplate, load_tokenizer
     from kserve.server.context import ServingContext
-    from kserve.tiny_checkpoint import ensure_embedded_model
+    from kserve.tiny import ensure_embedded_model
 
     model_dir = ensure_embedded_model()
     engine = _HeldEngine()
@@ -377,7 +377,7 @@ class _EndingEngine:
 def ending():
     from kserve.chat import ChatTemplate, load_tokenizer
     from kserve.server.context import ServingContext
-    from kserve.tiny_checkpoint import ensure_embedded_model
+    from kserve.tiny import ensure_embedded_model
 
     model_dir = ensure_embedded_model()
     engine = _EndingEngine()

@@ -1,8 +1,8 @@
 """Server reliability (issue 13): numbers checked at the door, cached-token usage on completions, curl-style
 bodies, schema-only-stop with min_tokens, request ids in logs, and engine death reported as 503.
 
-Real uvicorn over the real engine (embedded tiny model) with the defaults a user gets; the death test adds
-the step-fault test hook, which is what it is about.
+Real uvicorn over the real engine (embedded tiny model): the shared live server (conftest's `server`); the
+death test starts its own with the step-fault test hook, which is what it is about.
 """
 
 from __future__ import annotations
@@ -10,27 +10,21 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from kserve.config import EngineConfig
-from kserve.engine.faults import STEP_FAULTS_KEY, StepFaults
-from kserve.server.context import ServerSettings
-from kserve.server.launch import BackgroundServer
+pytest.importorskip("openai")  # live_server needs the openai SDK (a test extra)
+
+from live_server import server_with_step_faults, stream_until_engine_death
+
 from kserve.server.request_log import RequestIdFilter
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HI = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = BackgroundServer(ServerSettings(port=0)).start()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -120,24 +114,21 @@ class _Lines(logging.Handler):
         self.records.append(record)
 
 
-def test_engine_death_mid_stream_is_503_in_band_health_503_and_logged_with_the_request_id(tmp_path: Path):
-    trigger = tmp_path / "fail-now"
-    engine = EngineConfig(extra={STEP_FAULTS_KEY: StepFaults(trigger_file=str(trigger))})
+@pytest.fixture
+def kserve_log() -> Iterator[_Lines]:
     lines = _Lines()
     logging.getLogger("kserve").addHandler(lines)
-    srv = BackgroundServer(ServerSettings(port=0, engine=engine)).start()
-    try:
+    yield lines
+    logging.getLogger("kserve").removeHandler(lines)
+
+
+def test_engine_death_mid_stream_is_503_in_band_health_503_and_logged_with_the_request_id(tmp_path: Path,
+                                                                                          kserve_log: _Lines):
+    trigger = tmp_path / "fail-now"
+    with server_with_step_faults(trigger) as srv:
         model = srv.app.state.server.context.model_name
         body = {"model": model, "messages": HI, "max_tokens": 100_000, "ignore_eos": True, "stream": True}
-        events = []
-        with httpx.stream("POST", srv.base_url + CHAT, json=body, timeout=60) as s:
-            assert s.status_code == 200
-            for line in s.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                events.append(line[6:])
-                if len(events) == 3:
-                    trigger.touch()  # every model step fails from now on
+        events = stream_until_engine_death(srv.base_url + CHAT, body, trigger)  # every step fails after three
         died_at = time.monotonic()
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
@@ -151,11 +142,9 @@ def test_engine_death_mid_stream_is_503_in_band_health_503_and_logged_with_the_r
         for path, extra in ((CHAT, {"messages": HI}), (COMPLETIONS, {"prompt": "hi"})):
             resp = httpx.post(srv.base_url + path, json={"model": model, "max_tokens": 2, **extra}, timeout=30)
             assert assert_openai_error(resp, 503)["code"] == "engine_dead"
-        mine = [r for r in lines.records if r.request_id == rid]
-        assert any("engine" in r.getMessage() for r in mine), [(r.request_id, r.getMessage()) for r in lines.records]
-    finally:
-        logging.getLogger("kserve").removeHandler(lines)
-        srv.stop()
+        mine = [r for r in kserve_log.records if r.request_id == rid]
+        assert any("engine" in r.getMessage() for r in mine), [(r.request_id, r.getMessage())
+                                                               for r in kserve_log.records]
 
 
 def test_completions_merge_keeps_only_the_latest_snapshot_for_a_slow_reader():
