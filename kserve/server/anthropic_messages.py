@@ -33,7 +33,7 @@ from kserve.server.anthropic_protocol import (
     MessageParam,
     MessagesRequest,
 )
-from kserve.server.chat_request import render_chat
+from kserve.server.chat_request import function_tool, render_chat
 from kserve.server.chat_turn import FinishedTurn, TurnDelta, run_turn, stream_turn
 from kserve.server.context import ServingContext
 from kserve.server.errors import APIError, stream_failure
@@ -203,13 +203,7 @@ def chat_tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
             raise invalid(f"tools.{i}: tool type {tool.type!r} (an Anthropic server tool) is not supported; "
                           "declare custom tools with name, description and input_schema")
         _check_schema(tool.input_schema, f"tools.{i}.input_schema")
-        function: dict[str, Any] = {"name": tool.name}
-        if tool.description is not None:
-            function["description"] = tool.description
-        function["parameters"] = tool.input_schema
-        if tool.strict is not None:
-            function["strict"] = tool.strict
-        tools.append({"type": "function", "function": function})
+        tools.append(function_tool(tool.name, tool.description, tool.input_schema, tool.strict))
     return tools
 
 

@@ -33,6 +33,13 @@ class RenderedChat:
     prompt_ids: list[int]
 
 
+def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None,
+                  strict: bool | None) -> dict[str, Any]:
+    """A chat-completions function tool, leaving out the fields not given (the prompt shows each key)."""
+    function = {"name": name, "description": description, "parameters": parameters, "strict": strict}
+    return {"type": "function", "function": {key: value for key, value in function.items() if value is not None}}
+
+
 def render_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, Any], *,
                 add_generation_prompt: bool = True) -> RenderedChat:
     """Check `req` (`raw` is the body as sent, for fields the model drops) and encode its prompt."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from kserve.server.chat_request import function_tool
 from kserve.server.chat_turn import FinishedTurn, TurnDelta, run_turn, stream_turn
 from kserve.server.context import ServingContext
 from kserve.server.errors import APIError, bad_request, stream_failure
@@ -189,15 +190,9 @@ def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
                               f"tools[{i}].type", "unsupported_parameter")
         if tool.name is None:
             raise bad_request(f"'tools[{i}].name' is required", f"tools[{i}].name", "missing_required_parameter")
-        function: dict[str, Any] = {"name": tool.name}
-        if tool.description is not None:
-            function["description"] = tool.description
         if tool.parameters is not None:
             _check_schema(tool.parameters, f"tools[{i}].parameters")
-            function["parameters"] = tool.parameters
-        if tool.strict is not None:
-            function["strict"] = tool.strict
-        tools.append({"type": "function", "function": function})
+        tools.append(function_tool(tool.name, tool.description, tool.parameters, tool.strict))
     return tools
 
 
