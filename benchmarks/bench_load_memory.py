@@ -21,11 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-LARGER = dict(
-    hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, n_routed_experts=32,
-    num_hidden_layers=6, q_lora_rank=384, kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=64,
-    v_head_dim=64,
-)
+LARGER = {
+    "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 512, "n_routed_experts": 32,
+    "num_hidden_layers": 6, "q_lora_rank": 384, "kv_lora_rank": 256, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+}
 MIB = 2**20
 # Process noise that does not grow with the model: Python objects, safetensors handles, the progress
 # bar, allocator arenas and rounding (measured 0-25 MiB from run to run on the tiny checkpoint).
@@ -83,18 +83,18 @@ def measure(model_dir: str, weights: str, device: str) -> dict[str, object]:
     # dequantized loads widen the largest FP8 tensor in flight to fp32 (plus the fp32 product temporary)
     in_flight = report.largest_tensor_bytes * (9 if weights == "dequantized" else 1)
     host_bound = (0 if cuda else model_bytes) + in_flight + shard_bytes + SLACK_BYTES
-    out: dict[str, object] = dict(
-        weights=weights,
-        device=device,
-        model_MiB=round(model_bytes / MIB, 2),
-        largest_tensor_MiB=round(report.largest_tensor_bytes / MIB, 2),
-        largest_shard_MiB=round(shard_bytes / MIB, 2),
-        host_peak_MiB=round(host_peak / MIB, 2),
-        host_bound_MiB=round(host_bound / MIB, 2),
-        host_within_bound=host_peak <= host_bound,
-        bytes_read_MiB=round(report.bytes_read / MIB, 2),
-        load_s=round(seconds, 2),
-    )
+    out: dict[str, object] = {
+        "weights": weights,
+        "device": device,
+        "model_MiB": round(model_bytes / MIB, 2),
+        "largest_tensor_MiB": round(report.largest_tensor_bytes / MIB, 2),
+        "largest_shard_MiB": round(shard_bytes / MIB, 2),
+        "host_peak_MiB": round(host_peak / MIB, 2),
+        "host_bound_MiB": round(host_bound / MIB, 2),
+        "host_within_bound": host_peak <= host_bound,
+        "bytes_read_MiB": round(report.bytes_read / MIB, 2),
+        "load_s": round(seconds, 2),
+    }
     if cuda:
         torch.cuda.synchronize()
         device_peak = torch.cuda.max_memory_allocated() - device_base
@@ -122,7 +122,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.dir
         if model_dir is None:
-            from kserve.tiny_checkpoint import write_tiny_checkpoint
+            from kserve.tiny import write_tiny_checkpoint
 
             model_dir = str(write_tiny_checkpoint(Path(tmp) / "model", seed=0, config_overrides=LARGER))
         cmd = [sys.executable, __file__, "--measure", model_dir, "--weights", args.weights, "--device", args.device]

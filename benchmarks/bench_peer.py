@@ -47,9 +47,9 @@ print("VLLM_RESULT " + json.dumps(results))
 
 def write_peer_checkpoint(out_dir: Path, seed: int, layers: int) -> Path:
     """make-tiny's weights, FP8 tensors dequantized, as a plain-float `deepseek_v3` checkpoint."""
-    from kserve.kernels.fp8_dequant import dequantize_blocks_torch
     from safetensors.torch import load_file, save_file
 
+    from kserve.kernels.fp8_dequant import dequantize_blocks_torch
     from kserve.tiny import write_tiny_checkpoint
 
     src = write_tiny_checkpoint(out_dir / "fp8", seed=seed, config_overrides={"num_hidden_layers": layers})

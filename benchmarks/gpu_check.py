@@ -251,7 +251,7 @@ def import_or_skip(module: str, names: list[str]) -> tuple[Any | None, str]:
     """The module when it and every name in it exist; else None and the reason."""
     try:
         mod = importlib.import_module(module)
-    except Exception as exc:  # a missing or broken kernel module must not stop the check
+    except Exception as exc:  # noqa: BLE001 - a missing or broken kernel module must not stop the check
         return None, f"skipped: {module} not importable ({type(exc).__name__}: {exc})"
     missing = [n for n in names if not hasattr(mod, n)]
     if missing:
@@ -266,7 +266,7 @@ def guarded(stage: str, item: str, rows: list[Row], budget: Budget, fn: Callable
         return
     try:
         rows.extend(fn())
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a failing stage is a row, not the end of the check
         rows.append(Row(stage, item, "-", status=f"error: {type(exc).__name__}: {str(exc)[:300]}"))
 
 
@@ -324,7 +324,7 @@ def stage_env(plan: Plan, budget: Budget, limits: dict[str, float]) -> tuple[lis
             ms = time_ms([lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)], plan)
             limits["fp8_tflops"] = 2 * n**3 / ms / 1e9
             rows.append(Row("env", f"fp8 _scaled_mm {n}^3 (tensor-wise)", f"{limits['fp8_tflops']:.1f} TFLOP/s"))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any _scaled_mm failure means: skip
             rows.append(Row("env", "fp8 _scaled_mm", "-", status=f"skipped: {type(exc).__name__}: {str(exc)[:120]}"))
     del a, b
     release(plan.device)
@@ -608,7 +608,7 @@ def scaled_mm_block_layout(xq, xs, wq, ws, want) -> tuple[Callable | None, str]:
         sa, sb = scales(xs, ws)
         try:
             got = torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any _scaled_mm failure is recorded
             errors.append(f"{label}: {type(exc).__name__}: {str(exc)[:100]}")
             continue
         rel, _ = rel_error(got.float(), want)
@@ -671,7 +671,7 @@ def speed_fp8_gemm(plan: Plan, limits: dict[str, float], budget: Budget) -> list
                 data["scaled_mm_ms"] = sm_ms
                 kind = "block" if data["scaled_mm_mode"] == "block" else "row-wise"
                 value += f"; GEMM alone {gemm_ms:.3f} ms, _scaled_mm({kind})/ours {sm_ms / gemm_ms:.2f}x"
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any _scaled_mm failure is recorded
                 data["scaled_mm_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
             gbps = (w_bytes + m * k * 2 + m * n * 2) / full_ms / 1e6
             data["gbps"] = gbps
@@ -804,7 +804,7 @@ def stage_decode_step(plan: Plan, budget: Budget, limits: dict[str, float]) -> t
         data: dict[str, Any] = {"batch": b, "floor_ms": floor_ms, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes}
         try:
             data["eager_ms"] = time_ms([step], plan, iters=max(1, plan.iters // 2))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing batch is a row
             rows.append(Row("decode_step", f"decode B={b}", "-", status=f"error: {type(exc).__name__}: {str(exc)[:300]}"))
             continue
         measured.append((b, step, data))
@@ -813,7 +813,7 @@ def stage_decode_step(plan: Plan, budget: Budget, limits: dict[str, float]) -> t
         if plan.device == "cuda" and not budget.spent():
             try:
                 data["graph_ms"] = _time_cuda_graph(step, plan)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing capture is recorded
                 data["graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         floor_ms, eager_ms = data["floor_ms"], data["eager_ms"]
         value = f"eager {eager_ms:.2f} ms ({eager_ms / floor_ms:.2f}x floor {floor_ms:.2f} ms)"
@@ -869,7 +869,7 @@ class ServerProcess:
             cmd += ["--gpu-memory-utilization", "0.3"]
         if eager:
             cmd.append("--enforce-eager")
-        self.log = tempfile.TemporaryFile(mode="w+")
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
 
     async def wait_ready(self, timeout_s: float) -> str:
@@ -996,7 +996,7 @@ def plot_kernel_table(rows: list[Row], path: Path) -> str:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - no usable matplotlib: skip the plot
         return f"skipped: matplotlib not available ({type(exc).__name__})"
     speed = [r for r in rows if r.stage == "kernel_speed"]
     if not speed:
@@ -1048,7 +1048,7 @@ def run(plan: Plan, out_dir: Path, stages: list[str]) -> dict[str, Any]:
             t0 = time.perf_counter()
             try:
                 rows, info = funcs[name](plan, budget, limits)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing stage is a row
                 rows, info = [Row(name, "stage", "-", status=f"error: {type(exc).__name__}: {str(exc)[:300]}")], {}
             release(plan.device)
             status = _stage_status(rows)

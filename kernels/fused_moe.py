@@ -260,9 +260,7 @@ def fused_moe_torch(
             f"the grouped strategy needs a CPU tensor and H={shape.hidden}, I={shape.intermediate} rows of a "
             f"multiple of 16 bytes in {compute_dtype}; use 'gather'"
         )
-    tokens, hidden, inter, experts, top_k = (
-        shape.tokens, shape.hidden, shape.intermediate, shape.num_experts, shape.top_k
-    )
+    tokens, hidden, experts, top_k = shape.tokens, shape.hidden, shape.num_experts, shape.top_k
     pairs = shape.num_pairs
     if pairs == 0:
         return x.new_zeros(tokens, hidden)
@@ -446,10 +444,10 @@ def fused_moe_triton(
         s13 = s2 = a_scale  # never read
     container = w13.dtype if quantized else x.dtype
     precision = "ieee" if container == torch.float32 else None
-    common = dict(
-        BLOCK_M=config.block_m, BLOCK_K=config.block_k, QUANT=quantized,
-        SCALE_BLOCK_N=block[0], DOT_PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    common = {
+        "BLOCK_M": config.block_m, "BLOCK_K": config.block_k, "QUANT": quantized, "SCALE_BLOCK_N": block[0],
+        "DOT_PRECISION": precision, "num_warps": config.num_warps, "num_stages": config.num_stages,
+    }
     if fuse_quant:
         h = torch.empty(pairs, inter, dtype=w2.dtype, device=x.device)
         h_scale = torch.empty(pairs, num_groups(inter, block[1]), dtype=torch.float32, device=x.device)

@@ -62,7 +62,7 @@ def gate_up_kernel(
     s_base = w_scale_ptr + expert * w_scale_rows * w_scale_cols
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(H, BLOCK_K)):
+    for kk in range(tl.cdiv(H, BLOCK_K)):
         offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
         valid_k = offs_k < H
         a = tl.load(a_ptr + token[:, None] * H + offs_k[None, :], mask=valid_m[:, None] & valid_k[None, :], other=0.0)
@@ -115,7 +115,7 @@ def down_kernel(
     w_base = w_ptr + expert * H * I
     s_base = w_scale_ptr + expert * w_scale_rows * w_scale_cols
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(I, BLOCK_K)):
+    for kk in range(tl.cdiv(I, BLOCK_K)):
         offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
         valid_k = offs_k < I
         a = tl.load(a_ptr + pair[:, None] * I + offs_k[None, :], mask=valid_m[:, None] & valid_k[None, :], other=0.0)

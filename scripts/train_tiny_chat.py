@@ -78,9 +78,8 @@ def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int)
 
 def export_checkpoint_tensors(model: torch.nn.Module, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     """transformers' state dict -> K2 checkpoint tensors (per-expert gate/up/down, FP8 blocks + scales)."""
-    from kserve.kernels.fp8_dequant import quantize_blocks_torch
-
     from kserve.config import ModelConfig
+    from kserve.kernels.fp8_dequant import quantize_blocks_torch
     from kserve.model.weights_layout import BF16, FP8, checkpoint_tensors
 
     config = ModelConfig.from_dict(cfg)

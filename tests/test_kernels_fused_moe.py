@@ -31,12 +31,12 @@ def make_case(tokens, hidden, inter, experts, top_k, *, first_expert=0, total_ex
     ids = scores.topk(top_k, dim=-1).indices.to(torch.int32)
     weights = torch.rand(tokens, top_k, generator=gen) + 0.1
     if not fp8:
-        return dict(x=x, w13=w13.to(dtype), w2=w2.to(dtype), topk_weights=weights, topk_ids=ids,
-                    first_expert=first_expert)
+        return {"x": x, "w13": w13.to(dtype), "w2": w2.to(dtype), "topk_weights": weights, "topk_ids": ids,
+                "first_expert": first_expert}
     q13, s13 = zip(*(quantize_blocks_torch(w) for w in w13))
     q2, s2 = zip(*(quantize_blocks_torch(w) for w in w2))
-    return dict(x=x, w13=torch.stack(q13), w2=torch.stack(q2), topk_weights=weights, topk_ids=ids,
-                first_expert=first_expert, w13_scale=torch.stack(s13), w2_scale=torch.stack(s2))
+    return {"x": x, "w13": torch.stack(q13), "w2": torch.stack(q2), "topk_weights": weights, "topk_ids": ids,
+            "first_expert": first_expert, "w13_scale": torch.stack(s13), "w2_scale": torch.stack(s2)}
 
 
 def fake_quant(a: torch.Tensor) -> torch.Tensor:

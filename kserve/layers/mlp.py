@@ -25,7 +25,7 @@ class GatedMLP(nn.Module):
         quant_block: tuple[int, int] | None = None,
     ):
         super().__init__()
-        kw = dict(dtype=dtype, device=device, quant_block=quant_block)
+        kw = {"dtype": dtype, "device": device, "quant_block": quant_block}
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel, **kw)
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel, **kw)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel, reduce_results=reduce_results, **kw)

@@ -60,7 +60,7 @@ class MLAttention(nn.Module):
         self.kv_lora_rank = config.kv_lora_rank
         self.scale = config.softmax_scale
         heads = config.num_attention_heads
-        kw = dict(dtype=dtype, device=device)
+        kw = {"dtype": dtype, "device": device}
         lin = dict(kw, quant_block=quant_block)
         if config.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(config.hidden_size, heads * config.qk_head_dim, parallel, **lin)
@@ -152,7 +152,7 @@ class DecoderLayer(nn.Module):
         quant_block: tuple[int, int] | None = None,
     ):
         super().__init__()
-        kw = dict(dtype=dtype, device=device)
+        kw = {"dtype": dtype, "device": device}
         qkw = dict(kw, quant_block=quant_block)
         self.self_attn = MLAttention(config, parallel, **qkw)
         self.mlp: nn.Module
@@ -179,7 +179,7 @@ class DeepseekV3Model(nn.Module):
         quant_block: tuple[int, int] | None = None,
     ):
         super().__init__()
-        kw = dict(dtype=dtype, device=device)
+        kw = {"dtype": dtype, "device": device}
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, parallel, **kw)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, parallel, quant_block=quant_block, **kw) for i in range(config.num_hidden_layers)
@@ -205,7 +205,7 @@ class KimiK2ForCausalLM(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        parallel: ParallelState = ParallelState(),
+        parallel: ParallelState | None = None,
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
@@ -214,6 +214,7 @@ class KimiK2ForCausalLM(nn.Module):
         super().__init__()
         if weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
+        parallel = parallel if parallel is not None else ParallelState()  # None: one process
         check_tensor_parallel(config, parallel.tp_size)
         self.config = config
         self.parallel = parallel

@@ -340,7 +340,7 @@ def load_model(
     model_dir: str | Path,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
-    parallel: ParallelState = ParallelState(),
+    parallel: ParallelState | None = None,
     *,
     weights: str = "fp8",
 ) -> KimiK2ForCausalLM:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter, defaultdict
+from itertools import pairwise
 
 from kserve.chat.tokenizer import K2_PAT_STR
 
@@ -122,7 +123,7 @@ def learn_bpe_ranks(vocab_size: int = BASE_VOCAB) -> tuple[bytes, ...]:
     pair_count: Counter = Counter()
     pair_words: dict[tuple[int, int], set[int]] = defaultdict(set)
     for wi, word in enumerate(words):
-        for pair in zip(word, word[1:]):
+        for pair in pairwise(word):
             pair_count[pair] += freqs[wi]
             pair_words[pair].add(wi)
 
@@ -139,7 +140,7 @@ def learn_bpe_ranks(vocab_size: int = BASE_VOCAB) -> tuple[bytes, ...]:
             known.add(merged)
         for wi in sorted(pair_words.pop((a, b), ())):
             word, f = words[wi], freqs[wi]
-            for pair in zip(word, word[1:]):
+            for pair in pairwise(word):
                 pair_count[pair] -= f
             out, i = [], 0
             while i < len(word):
@@ -150,7 +151,7 @@ def learn_bpe_ranks(vocab_size: int = BASE_VOCAB) -> tuple[bytes, ...]:
                     out.append(word[i])
                     i += 1
             words[wi] = out
-            for pair in zip(out, out[1:]):
+            for pair in pairwise(out):
                 pair_count[pair] += f
                 pair_words[pair].add(wi)
         pair_count.pop((a, b), None)
