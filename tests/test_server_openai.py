@@ -256,5 +256,5 @@ def test_metrics_exposes_engine_stats(server, client, ctx):
     sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="[^"]*",?)*\})? -?[0-9.e+-]+$')
     for line in text.splitlines():
         assert line.startswith(("# HELP ", "# TYPE ")) or sample.match(line), line
-    ttft_count = re.search(r"^kserve_time_to_first_token_seconds_count (\d+)$", text, re.M)
+    ttft_count = re.search(r"^kserve_time_to_first_token_seconds_count (\d+)$", text, re.MULTILINE)
     assert ttft_count and int(ttft_count.group(1)) >= 1

@@ -16,7 +16,12 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from live_server import check_disconnect_aborts, openai_client, running_server, script_turns  # noqa: E402
+from live_server import (  # noqa: E402
+    check_disconnect_aborts,
+    openai_client,
+    running_server,
+    script_turns,
+)
 from pydantic import BaseModel  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 

@@ -7,9 +7,10 @@ import contextlib
 import hmac
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request

@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import anyio
 
@@ -58,7 +59,7 @@ class ServingContext:
     in_flight: int = 0
 
     @contextlib.contextmanager
-    def admitted(self) -> Iterator["Admission"]:
+    def admitted(self) -> Iterator[Admission]:
         """Count a request in flight for the `with` block (or, via `hand_off`, for a stream's lifetime).
 
         Past `--max-concurrent-requests` in flight the request is refused with 429.

@@ -15,7 +15,12 @@ from typing import Any
 import uvicorn
 
 from kserve.config import EngineConfig
-from kserve.server.app import EngineDeathHandler, EngineLoader, LoadFailureHandler, build_app
+from kserve.server.app import (
+    EngineDeathHandler,
+    EngineLoader,
+    LoadFailureHandler,
+    build_app,
+)
 from kserve.server.context import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
 from kserve.server.request_log import install_request_id_logging
 
@@ -72,7 +77,11 @@ def _uvicorn_config(settings: ServerSettings, loader: EngineLoader | None,
 
 
 def run_server(args: argparse.Namespace) -> int:
-    from kserve.engine.rank_launch import RANK_LAYOUT_KEY, layout_for_serve, run_headless
+    from kserve.engine.rank_launch import (
+        RANK_LAYOUT_KEY,
+        layout_for_serve,
+        run_headless,
+    )
 
     try:
         layout = layout_for_serve(
@@ -164,7 +173,7 @@ class BackgroundServer:
         """Run `fn(*args)` on the server's event loop (thread-safe)."""
         self.loop.call_soon_threadsafe(fn, *args)
 
-    def start(self, ready_timeout: float = 300.0) -> "BackgroundServer":
+    def start(self, ready_timeout: float = 300.0) -> BackgroundServer:
         """Start and wait until /health says the model is loaded (raises if loading failed)."""
         self.thread.start()
         deadline = time.monotonic() + ready_timeout
@@ -187,7 +196,7 @@ class BackgroundServer:
         self.thread.join(timeout=30)
         self.sock.close()
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

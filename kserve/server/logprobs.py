@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kserve.engine.outputs import TokenLogprob
 from kserve.server.protocol import CompletionLogprobs, TokenLogprobEntry, TopLogprob

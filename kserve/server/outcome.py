@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from kserve.server.errors import APIError
 from kserve.server.protocol import UsageInfo

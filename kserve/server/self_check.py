@@ -12,7 +12,13 @@ import logging
 from typing import Any
 
 from kserve.chat import parse_tool_output
-from kserve.chat.markers import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
+from kserve.chat.markers import (
+    ARGUMENT_BEGIN,
+    CALL_BEGIN,
+    CALL_END,
+    SECTION_BEGIN,
+    SECTION_END,
+)
 from kserve.server.context import ServingContext
 
 logger = logging.getLogger("kserve.server")
