@@ -19,11 +19,6 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-try:  # H2's paged MLA decode kernel (custom op kserve::mla_decode), when present
-    from kserve.kernels.mla_decode import mla_decode as _mla_decode_op
-except ImportError:  # pragma: no cover - until the kernel lands
-    _mla_decode_op = None
-
 FP8_MAX = 448.0
 
 
@@ -53,57 +48,6 @@ def read_latents(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, k
     if cache.dtype == torch.float8_e4m3fn:
         return (rows.float() * kv_scale).to(dtype)
     return rows.to(dtype)
-
-
-def absorbed_decode_attention(
-    q_lat: torch.Tensor,
-    q_pe: torch.Tensor,
-    cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    kv_scale: float = 1.0,
-) -> torch.Tensor:
-    """Torch reference of paged MLA decode: one query per sequence over its cached latents, as MQA
-    with one (kv_lora_rank + rope)-wide head. q_lat [B, H, C] (q_nope absorbed through W_UK),
-    q_pe [B, H, R]; returns o_lat [B, H, C] in fp32, zeros where context_len is 0.
-
-    It gathers each sequence's latents padded to the block table width: the CPU fallback only.
-    """
-    kv_lora_rank = q_lat.shape[-1]
-    num_seqs, max_blocks = block_tables.shape
-    block_size = cache.shape[1]
-    max_len = max_blocks * block_size
-    pos = torch.arange(max_len, device=cache.device)
-    tables = block_tables.long().clamp(min=0)
-    slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, L]
-    latents = read_latents(cache, slots.reshape(-1), torch.float32, kv_scale).view(num_seqs, max_len, -1)
-    c_kv, k_pe = latents[..., :kv_lora_rank], latents[..., kv_lora_rank:]
-    scores = torch.bmm(q_lat.float(), c_kv.transpose(1, 2)) + torch.bmm(q_pe.float(), k_pe.transpose(1, 2))
-    valid = pos[None, :] < context_lens.long()[:, None]  # [B, L]
-    scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
-    # a row with no context is all -inf: give it zero weights instead of NaNs
-    probs = scores.softmax(dim=-1).nan_to_num(0.0)
-    return torch.bmm(probs, c_kv)
-
-
-def paged_decode_attention(
-    q_lat: torch.Tensor,
-    q_pe: torch.Tensor,
-    cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    kv_scale: float = 1.0,
-) -> torch.Tensor:
-    """Absorbed decode for every decode sequence at once -> o_lat [B, H, C] fp32.
-
-    Through the kserve::mla_decode op (Triton over the block table on CUDA, its torch reference
-    elsewhere) when it is installed, else through the reference above.
-    """
-    if _mla_decode_op is not None:
-        return _mla_decode_op(q_lat, q_pe, cache, block_tables, context_lens, scale, kv_scale)
-    return absorbed_decode_attention(q_lat, q_pe, cache, block_tables, context_lens, scale, kv_scale)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -11,14 +11,10 @@ from torch import nn
 
 from kserve.config import ModelConfig
 from kserve.distributed import ParallelState
+from kserve.kernels.mla_decode import mla_decode
 from kserve.layers.embedding import LMHead, VocabEmbedding
 from kserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from kserve.layers.mla_attention import (
-    paged_decode_attention,
-    read_latents,
-    varlen_causal_attention,
-    write_latents,
-)
+from kserve.layers.mla_attention import read_latents, varlen_causal_attention, write_latents
 from kserve.layers.mlp import GatedMLP
 from kserve.layers.moe import DeepseekMoE
 from kserve.layers.norm import RMSNorm
@@ -120,7 +116,7 @@ class MLAttention(nn.Module):
         num_decode = q_nope.shape[0]
         w_uk, w_uv = self._absorption_weights()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [D, H, C]
-        o_lat = paged_decode_attention(
+        o_lat = mla_decode(
             q_lat, q_pe, cache, batch.block_tables[:num_decode], batch.context_lens[:num_decode], self.scale, batch.kv_scale
         )
         return torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
