@@ -75,7 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from kserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, num_groups, quantize_per_token_group_torch
-from kserve.kernels.triton_support import fp8_triton_runs, triton_available
+from kserve.kernels.triton_support import triton_runs
 
 DEFAULT_BLOCK = (128, 128)
 
@@ -477,9 +477,7 @@ def fused_moe_triton(
 
 
 def _use_triton(x: torch.Tensor, w13: torch.Tensor, quantized: bool) -> bool:
-    if quantized:
-        return w13.dtype == FP8_DTYPE and fp8_triton_runs(x.device)
-    return x.is_cuda and triton_available()
+    return (not quantized or w13.dtype == FP8_DTYPE) and triton_runs(x.device, fp8=quantized)
 
 
 @torch.library.custom_op("kserve::fused_moe", mutates_args=())

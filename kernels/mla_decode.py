@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kserve.kernels.triton_support import cuda_sm_count, fp8_triton_runs, triton_available
+from kserve.kernels.triton_support import cuda_sm_count, triton_runs
 
 _FP8_DTYPES = (torch.float8_e4m3fn,)
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + _FP8_DTYPES
@@ -438,12 +438,6 @@ def mla_decode_triton(
     return out
 
 
-def _triton_runs(kv_cache: torch.Tensor) -> bool:
-    if kv_cache.dtype in _FP8_DTYPES:
-        return fp8_triton_runs(kv_cache.device)
-    return kv_cache.is_cuda and triton_available()
-
-
 @torch.library.custom_op("kserve::mla_decode", mutates_args=())
 def _mla_decode_op(
     q_lat: torch.Tensor,
@@ -454,7 +448,7 @@ def _mla_decode_op(
     scale: float,
     kv_scale: float,
 ) -> torch.Tensor:
-    if _triton_runs(kv_cache):
+    if triton_runs(kv_cache.device, fp8=kv_cache.dtype in _FP8_DTYPES):
         return mla_decode_triton(q_lat, q_pe, kv_cache, block_tables, context_lens, scale, kv_scale)
     return mla_decode_torch(q_lat, q_pe, kv_cache, block_tables, context_lens, scale, kv_scale)
 

@@ -9,6 +9,8 @@ import functools
 
 import torch
 
+from kserve.kernels.triton_support import triton_runs
+
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
@@ -50,9 +52,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Triton on CUDA when available, torch otherwise."""
-    if x.is_cuda and weight.dtype == x.dtype:
-        from kserve.kernels.triton_support import triton_available
-
-        if triton_available():
-            return rms_norm_triton(x, weight, eps)
+    if weight.dtype == x.dtype and triton_runs(x.device):
+        return rms_norm_triton(x, weight, eps)
     return rms_norm_torch(x, weight, eps)

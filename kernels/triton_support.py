@@ -29,3 +29,10 @@ def cuda_sm_count(device: torch.device) -> int:
 def fp8_triton_runs(device: torch.device) -> bool:
     """Whether Triton kernels with fp8 operands run on `device`: Triton loads float8_e4m3fn natively from sm89."""
     return device.type == "cuda" and triton_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def triton_runs(device: torch.device, *, fp8: bool = False) -> bool:
+    """Whether Triton kernels run on `device`: CUDA with triton installed, and sm89+ when `fp8` operands."""
+    if fp8:
+        return fp8_triton_runs(device)
+    return device.type == "cuda" and triton_available()
