@@ -71,7 +71,8 @@ def test_create_text_reply_and_usage(client, ctx):
 
 
 def test_stream_accumulates_to_the_non_streamed_message(client, ctx):
-    kw = dict(model=ctx.model_name, max_tokens=24, extra_body=GREEDY, messages=[{"role": "user", "content": "Hello"}])
+    kw = {"model": ctx.model_name, "max_tokens": 24, "extra_body": GREEDY,
+          "messages": [{"role": "user", "content": "Hello"}]}
     plain = client.messages.create(**kw)
     with client.messages.stream(**kw) as stream:
         events = [event.type for event in stream]
@@ -231,7 +232,8 @@ def scripted_turn(monkeypatch):
 
 
 def test_thinking_text_and_tool_use_blocks_stream_as_the_sdk_expects(client, ctx, scripted_turn):
-    kw = dict(model=ctx.model_name, max_tokens=64, tools=[WEATHER], messages=[{"role": "user", "content": QUESTION}])
+    kw = {"model": ctx.model_name, "max_tokens": 64, "tools": [WEATHER],
+          "messages": [{"role": "user", "content": QUESTION}]}
     plain = client.messages.create(**kw)
     with client.messages.stream(**kw) as stream:
         deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]

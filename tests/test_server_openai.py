@@ -99,7 +99,7 @@ def test_chat_streaming_wire_format(server, ctx):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_stream_reassembles_to_non_streaming_answer(client, ctx, temperature):
-    kw = dict(model=ctx.model_name, messages=MESSAGES, max_tokens=24, seed=1234, temperature=temperature)
+    kw = {"model": ctx.model_name, "messages": MESSAGES, "max_tokens": 24, "seed": 1234, "temperature": temperature}
     plain = client.chat.completions.create(**kw)
     # The SDK's own accumulator (the one behind client.chat.completions.stream, whose get_final_completion
     # refuses finish_reason "length", which a random tiny model usually hits).
@@ -209,14 +209,14 @@ def test_client_disconnect_aborts_and_frees_cache_blocks(server, ctx):
     engine = ctx.engine
     body = {"model": ctx.model_name, "messages": MESSAGES, "max_tokens": 4000, "stream": True,
             "ignore_eos": True}
-    with httpx.Client(timeout=60) as http:
-        with http.stream("POST", server.base_url + "/v1/chat/completions", json=body) as resp:
-            lines = resp.iter_lines()  # kept alive: dropping it would close the connection early
-            seen = 0
-            while seen < 4:
-                seen += bool(next(lines))
-            during = engine.stats()
-            assert during.num_running == 1 and during.kv_blocks_used > 0
+    http = httpx.Client(timeout=60)
+    with http, http.stream("POST", server.base_url + "/v1/chat/completions", json=body) as resp:
+        lines = resp.iter_lines()  # kept alive: dropping it would close the connection early
+        seen = 0
+        while seen < 4:
+            seen += bool(next(lines))
+        during = engine.stats()
+        assert during.num_running == 1 and during.kv_blocks_used > 0
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         stats = engine.stats()

@@ -89,7 +89,8 @@ def test_create_text_response(client, ctx):
 
 
 def test_stream_accumulates_to_the_non_streamed_response(client, ctx):
-    kw = dict(model=ctx.model_name, input="Pick a color.", temperature=0, max_output_tokens=48, text_format=Verdict)
+    kw = {"model": ctx.model_name, "input": "Pick a color.", "temperature": 0, "max_output_tokens": 48,
+          "text_format": Verdict}
     plain = client.responses.parse(**kw)
     with client.responses.stream(**kw) as stream:
         kinds = [event.type for event in stream]
@@ -166,13 +167,13 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(client, ctx):
     model = ctx.model_name
     orphan = [{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "call_x", "output": "1"}]
     cases = [
-        dict(input=orphan),
-        dict(input=[{"type": "hologram"}]),
-        dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]),
-        dict(input="hi", text={"format": {"type": "json_schema", "name": "x", "schema": {"type": 12}}}),
-        dict(input="hi", tools=[{"type": "web_search"}]),
-        dict(input="hi", background=True),
-        dict(input="hi", max_output_tokens=0),
+        {"input": orphan},
+        {"input": [{"type": "hologram"}]},
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+        {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 12}}}},
+        {"input": "hi", "tools": [{"type": "web_search"}]},
+        {"input": "hi", "background": True},
+        {"input": "hi", "max_output_tokens": 0},
     ]
     for kw in cases:
         with pytest.raises(openai.BadRequestError) as info:
@@ -227,7 +228,7 @@ def scripted_turn(monkeypatch):
 
 
 def test_reasoning_message_and_call_items_stream_as_the_sdk_expects(server, client, ctx, scripted_turn):
-    kw = dict(model=ctx.model_name, input=QUESTION, tools=[WEATHER])
+    kw = {"model": ctx.model_name, "input": QUESTION, "tools": [WEATHER]}
     plain = client.responses.create(**kw)
     with client.responses.stream(**kw) as stream:
         kinds = [event.type for event in stream]

@@ -315,11 +315,11 @@ def test_disconnect_mid_stream_aborts(scripted):
     server, _, engine, _ = scripted
     engine.script = lambda prompt: "word " * 2000 + "<|im_end|>"
     body = {"model": MODEL, "messages": [{"role": "user", "content": "talk"}], "stream": True}
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", server.base_url + "/v1/chat/completions", json=body) as resp:
-            for i, _line in enumerate(resp.iter_lines()):
-                if i > 5:
-                    break
+    http = httpx.Client(timeout=30)
+    with http, http.stream("POST", server.base_url + "/v1/chat/completions", json=body) as resp:
+        for i, _line in enumerate(resp.iter_lines()):
+            if i > 5:
+                break
     for _ in range(200):
         if engine.aborted and not engine.running:
             break
@@ -429,8 +429,8 @@ def test_tools_reach_the_prompt_exactly_as_sent(scripted):
 @pytest.mark.parametrize("stream", [False, True])
 def test_parallel_tool_calls_false_returns_one_call(scripted, stream):
     _, client, _, _ = scripted
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "weather in two cities please"}],
-              tools=[WEATHER_TOOL], parallel_tool_calls=False)
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "weather in two cities please"}],
+              "tools": [WEATHER_TOOL], "parallel_tool_calls": False}
     if not stream:
         resp = client.chat.completions.create(**kw)
         calls = [(c.id, c.function.arguments) for c in resp.choices[0].message.tool_calls]

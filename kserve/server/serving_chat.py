@@ -339,7 +339,7 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
         logger.warning("request %s: %s", rid, exc.message)
         yield sse_error(exc.body())
         return
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever fails after the status line is reported in-band
         yield sse_error(logged_stream_failure(exc, rid).body())
         return
     finally:

@@ -236,7 +236,7 @@ async def stream_completion(ctx: ServingContext, prep: PreparedCompletion) -> As
     except APIError as exc:  # the status line is already sent: report in-band, then end the stream
         yield sse_error(exc.body())
         return
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever fails after the status line is reported in-band
         yield sse_error(logged_stream_failure(exc, rid).body())
         return
     usage = _usage(prep, finals)
