@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness_server import ServerProcess
+from harness_server import ServerProcess, report_and_exit_status
 
 HEALTH_DEADLINE_S = 5.0
 EXIT_DEADLINE_S = 30.0
@@ -173,11 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"--- {name} (tail)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:]),
                           file=sys.stderr)
     report = {"harness": "fault", "runs": reports, "ok": not problems}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out_json:
-        Path(args.out_json).write_text(text)
-    return 0 if not problems else 1
+    return report_and_exit_status(report, args.out_json)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness_server import ServerProcess
+from harness_server import ServerProcess, report_and_exit_status
 
 SPECIAL_NUMBERS = [0, -1, 1, 2**31, 2**63, -(2**63) - 1, 10**30, 0.5, -0.5, 1e308, float("nan"), float("inf"),
                    float("-inf"), 3, 20, 21, 100]
@@ -220,11 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = fuzzer.failures + ([] if health == 200 else [{"problem": f"/health is {health} after fuzzing"}])
     report = {"harness": "fuzz", "requests": sum(fuzzer.statuses.values()), "seconds": round(time.monotonic() - started),
               "statuses": dict(sorted(fuzzer.statuses.items())), "failures": problems[:20], "ok": not problems}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out_json:
-        Path(args.out_json).write_text(text)
-    return 0 if not problems else 1
+    return report_and_exit_status(report, args.out_json)
 
 
 if __name__ == "__main__":

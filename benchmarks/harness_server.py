@@ -10,6 +10,7 @@ step-fault test hook (`kserve.engine.faults.StepFaults`) when asked: once PATH e
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -44,6 +45,16 @@ def metric(base_url: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise KeyError(name)
+
+
+
+def report_and_exit_status(report: dict, out_json: str | None) -> int:
+    """Print a harness's report as JSON (and write it to `out_json` when given); 0 when it says ok, else 1."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out_json:
+        Path(out_json).write_text(text)
+    return 0 if report["ok"] else 1
 
 
 class ServerProcess:

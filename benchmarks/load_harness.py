@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness_server import ServerProcess, metric, rss_bytes
+from harness_server import ServerProcess, metric, report_and_exit_status, rss_bytes
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather for a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -154,11 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     report = {"harness": "load", "clients": args.clients, "rounds": rounds,
               "rss_growth": None if growth is None else round(growth, 4), "problems": problems, "ok": not problems}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out_json:
-        Path(args.out_json).write_text(text)
-    return 0 if not problems else 1
+    return report_and_exit_status(report, args.out_json)
 
 
 if __name__ == "__main__":
