@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from test_chat_support import SB
 
 from kserve.chat import StreamingReasoningParser, split_reasoning
-from test_chat_support import SB
 
 CASES = [
     ("<think>Let me think.</think>The answer is 4.", "Let me think.", "The answer is 4."),

@@ -7,10 +7,10 @@ import io
 import json
 
 import pytest
+from test_chat_support import K2_DIR, TEMPLATES_DIR, require_shared
 
 from kserve.chat import ChatTemplate, load_tokenizer, normalize_tool_call_ids
 from kserve.chat.render_cli import run_render
-from test_chat_support import K2_DIR, TEMPLATES_DIR, require_shared
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def test_prints_prompt_with_normalized_ids(model_dir):
 def test_ids_are_safe_unless_legacy(model_dir):
     tok = load_tokenizer(model_dir)
     rc, out = _run(model_dir, ids=True)
-    prompt, ids_line = out.rsplit("\n", 2)[0], out.rsplit("\n", 2)[1]
+    ids_line = out.rsplit("\n", 2)[1]
     ids = json.loads(ids_line)
     assert rc == 0 and tok.decode(ids) + "\n" == out[: -len(ids_line) - 1]
     legacy_ids = json.loads(_run(model_dir, ids=True, legacy=True)[1].rsplit("\n", 2)[1])

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from kserve.kernels.fp8_dequant import dequantize_blocks_torch
 from safetensors.torch import load_file
 
 from kserve.config import ModelConfig
 from kserve.distributed import ParallelState
+from kserve.kernels.fp8_dequant import dequantize_blocks_torch
 from kserve.model import load_model
 from kserve.model.loader import read_weight_map
 from kserve.model.memory_plan import build_meta_model

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from test_chat_support import SHARED, real_tokenizer
 
 from kserve.chat.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from kserve.chat.markers import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
-from test_chat_support import SHARED, real_tokenizer
 
 SCHEMAS_DIR = SHARED / "conformance" / "json_schemas"
 WEATHER = {

@@ -252,6 +252,7 @@ def dense_tiny_dir(tiny_k2_dir, tmp_path_factory) -> Path:
     import shutil
 
     import safetensors.torch
+
     from kserve.kernels.fp8_dequant import dequantize_blocks_torch
 
     out = tmp_path_factory.mktemp("dense") / "k2"

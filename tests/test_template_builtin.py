@@ -7,10 +7,10 @@ import re
 
 import pytest
 from hypothesis import given, settings
+from test_chat_support import SHARED, TEMPLATES_DIR, conversations, require_shared
 
 from kserve.chat import ChatTemplate, normalize_tool_call_ids, render_prompt
 from kserve.chat.markers import DEFAULT_SYSTEM_PROMPT
-from test_chat_support import SHARED, TEMPLATES_DIR, conversations, require_shared
 
 SEED = SHARED / "seeds" / "kimi_k2_tool_format.txt"
 DEFAULT_SYSTEM_TURN = f"<|im_system|>system<|im_middle|>{DEFAULT_SYSTEM_PROMPT}<|im_end|>"

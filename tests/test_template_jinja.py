@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
+from test_chat_support import K2_DIR, TEMPLATES_DIR, conversations, require_shared
 
 from kserve.chat import ChatTemplate, render_prompt
-from test_chat_support import K2_DIR, TEMPLATES_DIR, conversations, require_shared
 
 
 @pytest.fixture(scope="module")

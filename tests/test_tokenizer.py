@@ -8,9 +8,9 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_chat_support import K2_DIR, real_tokenizer, require_shared
 
 from kserve.chat import load_tokenizer
-from test_chat_support import K2_DIR, real_tokenizer, require_shared
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_chat_support import AB, CB, CE, SB, SE
 
 from kserve.chat import StreamingToolParser, parse_tool_calls, parse_tool_output
 from kserve.chat.markers import TOOL_MARKERS
-from test_chat_support import AB, CB, CE, SB, SE
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 NEWS = {"type": "function", "function": {"name": "get_news", "parameters": {"type": "object"}}}
