@@ -45,6 +45,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exit-on-engine-death", action=argparse.BooleanOptionalAction, default=True,
                    help="exit non-zero once the engine is dead (fatal error, or repeated failed steps), so a "
                         "supervisor restarts it; with --no-exit-on-engine-death it stays up answering 503")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds that requests in flight may take to finish before they are cut")
     p.add_argument("--responses-store-size", type=int, default=1000,
                    help="finished /v1/responses kept in memory for previous_response_id and GET (0: off)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes the --tp ranks span (tp / nnodes ranks each)")

@@ -109,3 +109,13 @@ def test_serve_flags_reach_the_settings(monkeypatch):
     assert (e.model, e.max_model_len, e.enable_prefix_caching, e.block_size, e.tensor_parallel_size) == \
         ("/models/k2", 4096, False, 32, 2)
     assert settings_from_args(build_parser().parse_args(["serve", "--api-key", "flag"])).api_key == "flag"
+
+
+def test_drain_timeout_reaches_uvicorns_graceful_shutdown():
+    from kserve.cli import build_parser
+    from kserve.server.launch import _uvicorn_config, settings_from_args
+
+    default = settings_from_args(build_parser().parse_args(["serve"]))
+    assert _uvicorn_config(default, None).timeout_graceful_shutdown == 30.0
+    custom = settings_from_args(build_parser().parse_args(["serve", "--drain-timeout", "2.5"]))
+    assert _uvicorn_config(custom, None).timeout_graceful_shutdown == 2.5

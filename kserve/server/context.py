@@ -41,6 +41,7 @@ class ServerSettings:
     log_level: str = "info"
     exit_on_engine_death: bool = True  # `kserve serve` exits non-zero once the engine is dead
     responses_store_size: int = 1000  # finished /v1/responses kept for previous_response_id and GET; 0 = off
+    drain_timeout_s: float = 30.0  # on SIGTERM, requests in flight may finish for this long before being cut
 
 
 @dataclass

@@ -61,6 +61,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         log_level=args.log_level,
         exit_on_engine_death=getattr(args, "exit_on_engine_death", True),
         responses_store_size=getattr(args, "responses_store_size", 1000),
+        drain_timeout_s=getattr(args, "drain_timeout", 30.0),
     )
 
 
@@ -72,7 +73,7 @@ def _uvicorn_config(settings: ServerSettings, loader: EngineLoader | None,
                     on_load_failure: LoadFailureHandler | None = None,
                     on_engine_death: EngineDeathHandler | None = None) -> uvicorn.Config:
     return uvicorn.Config(build_app(settings, loader, on_load_failure, on_engine_death), host=settings.host,
-                          port=settings.port, log_level=settings.log_level.lower(), timeout_graceful_shutdown=5,
+                          port=settings.port, log_level=settings.log_level.lower(), timeout_graceful_shutdown=settings.drain_timeout_s,
                           access_log=settings.log_level.lower() == "debug", log_config=None)
 
 
