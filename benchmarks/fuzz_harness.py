@@ -1,9 +1,10 @@
-"""Property-based fuzzing of /v1/chat/completions and /v1/completions bodies (hypothesis).
+"""Property-based fuzzing of /v1/chat/completions, /v1/completions, /v1/messages and /v1/responses bodies (hypothesis).
 
 Bodies mix well-formed fields with wrong types, out-of-range numbers (2**63, -1, NaN, Infinity), odd
 strings and unknown keys, streaming and not. Properties: no response is a 5xx (nor an in-band 5xx error on
-a stream), and every 4xx is OpenAI-shaped: `{"error": {"message", "type", "param", "code"}}` with a
-non-empty message. Generation stays short (max_tokens is either small or invalid) so a run is bounded.
+a stream), and every 4xx is in its API's shape: OpenAI's `{"error": {"message", "type", "param", "code"}}`
+(chat, completions, responses) or Anthropic's `{"type": "error", "error": {"type", "message"}}` (messages),
+with a non-empty message. Generation stays short (max_tokens is either small or invalid) so a run is bounded.
 
 Without --base-url it starts `kserve serve` (embedded tiny model, user defaults) on 127.0.0.1 and stops it.
 
@@ -125,13 +126,91 @@ def completion_bodies(field: Any) -> st.SearchStrategy:
     )
 
 
+ANTHROPIC_TOOL = {"name": "lookup", "input_schema": SCHEMA}
+
+
+def messages_bodies(field: Any) -> st.SearchStrategy:
+    block = st.sampled_from([{"type": "text", "text": "hi"}, {"type": "text", "text": ""}]
+                            + ([{"type": "tool_result", "tool_use_id": "x", "content": "1"}, {"type": "image"},
+                                {"type": "robot"}] if field is noisy else []))
+    message = st.fixed_dictionaries({
+        "role": field(st.sampled_from(["user"] * 4 + (["assistant", "system"] if field is noisy else []))),
+        "content": field(st.text(max_size=40) | st.lists(block, min_size=1, max_size=2)),
+    })
+    return st.fixed_dictionaries(
+        {"model": model, "max_tokens": max_tokens_for(field), "messages": field(st.lists(message, min_size=1, max_size=2))},
+        optional={
+            "system": field(st.text(max_size=20) | st.just([{"type": "text", "text": "be brief"}])),
+            "temperature": field(st.floats(min_value=0, max_value=1)), "top_p": field(st.floats(min_value=0.01, max_value=1)),
+            "top_k": field(st.integers(1, 50)), "stop_sequences": field(st.lists(st.text(min_size=1, max_size=3), max_size=2)),
+            "stream": st.booleans(), "metadata": field(st.just({"user_id": "u"})),
+            "tools": field(st.just([ANTHROPIC_TOOL])),
+            "tool_choice": field(st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"},
+                                                  {"type": "tool", "name": "lookup"}])),
+            **({"unknown_field": junk} if field is noisy else {}),
+        },
+    )
+
+
+def responses_bodies(field: Any) -> st.SearchStrategy:
+    item = st.sampled_from([{"type": "message", "role": "user", "content": "hi"},
+                            {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+                           + ([{"type": "function_call_output", "call_id": "x", "output": "1"}, {"type": "robot"}]
+                              if field is noisy else []))
+    return st.fixed_dictionaries(
+        {"model": model, "max_output_tokens": max_tokens_for(field),
+         "input": field(st.text(min_size=1, max_size=40) | st.lists(item, min_size=1, max_size=2))},
+        optional={
+            "instructions": field(st.text(max_size=20)), "temperature": field(st.floats(min_value=0, max_value=2)),
+            "top_p": field(st.floats(min_value=0.01, max_value=1)), "stream": st.booleans(),
+            "store": field(st.booleans()), "parallel_tool_calls": field(st.booleans()),
+            "tools": field(st.just([{"type": "function", "name": "lookup", "parameters": SCHEMA}])),
+            "tool_choice": field(st.sampled_from(["auto", "none", "required", {"type": "function", "name": "lookup"}])),
+            "text": field(st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                                           {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}])),
+            **({"unknown_field": junk} if field is noisy else {}),
+        },
+    )
+
+
 # Half the bodies are clean (every field plausible), half noisy (each field sometimes junk).
 bodies = st.one_of(
     chat_bodies(clean).map(lambda b: ("/v1/chat/completions", b)),
     chat_bodies(noisy).map(lambda b: ("/v1/chat/completions", b)),
     completion_bodies(clean).map(lambda b: ("/v1/completions", b)),
     completion_bodies(noisy).map(lambda b: ("/v1/completions", b)),
+    messages_bodies(clean).map(lambda b: ("/v1/messages", b)),
+    messages_bodies(noisy).map(lambda b: ("/v1/messages", b)),
+    responses_bodies(clean).map(lambda b: ("/v1/responses", b)),
+    responses_bodies(noisy).map(lambda b: ("/v1/responses", b)),
 )
+
+
+def in_band_server_error(path: str, event: dict[str, Any]) -> Any:
+    """A stream event that reports a server-side failure, in the endpoint's own wire format (else None)."""
+    if path == "/v1/messages":
+        err = event.get("error") if event.get("type") == "error" else None
+        return err if err and err.get("type") in ("api_error", "overloaded_error") else None
+    if path == "/v1/responses":
+        if event.get("type") == "error" and event.get("code") in ("internal_error", "engine_dead", "request_failed"):
+            return event
+        return None
+    err = event.get("error")
+    return err if err and err.get("type") in ("server_error", "service_unavailable") else None
+
+
+def error_shape_ok(path: str, text: str) -> bool:
+    try:
+        body = json.loads(text)
+        if path == "/v1/messages":
+            error = body["error"]
+            return body["type"] == "error" and set(error) == {"type", "message"} \
+                and isinstance(error["message"], str) and bool(error["message"]) and isinstance(error["type"], str)
+        error = body["error"]
+        return set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str) \
+            and bool(error["message"]) and isinstance(error["type"], str)
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 class Fuzzer:
@@ -154,9 +233,8 @@ class Fuzzer:
                     if status == 200:
                         for line in resp.iter_lines():
                             if line.startswith("data: {"):
-                                event = json.loads(line[6:])
-                                err = event.get("error")
-                                if err and err.get("type") in ("server_error", "service_unavailable"):
+                                err = in_band_server_error(path, json.loads(line[6:]))
+                                if err:
                                     problem = f"in-band server error: {err}"
                         text = ""
                     else:
@@ -170,15 +248,8 @@ class Fuzzer:
         self.statuses[f"{path} {status}"] += 1
         if problem is None and status >= 500:
             problem = f"status {status}: {text[:300]}"
-        if problem is None and 400 <= status < 500:
-            try:
-                error = json.loads(text)["error"]
-                ok = set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str) \
-                    and error["message"] and isinstance(error["type"], str)
-            except (ValueError, KeyError, TypeError):
-                ok = False
-            if not ok:
-                problem = f"4xx not OpenAI-shaped: {text[:300]}"
+        if problem is None and 400 <= status < 500 and not error_shape_ok(path, text):
+            problem = f"4xx not in the API's error shape: {text[:300]}"
         if problem is not None:  # recorded, not raised: the run goes on and reports every failure it meets
             self.failures.append({"path": path, "body": payload[:2000], "problem": problem})
 

@@ -195,3 +195,19 @@ def test_seeded_noise_is_strictly_positive_so_masked_tokens_never_win():
     seeds = torch.arange(32, dtype=torch.int64) * 7919
     noise = seeded_exponential(seeds, torch.arange(32, dtype=torch.int64), 1 << 20)
     assert bool((noise > 0).all()) and bool(torch.isfinite(noise).all())
+
+
+@pytest.mark.parametrize("temperature", [4.8e-87, 1e-30, 5e-6])
+def test_a_vanishing_temperature_is_greedy_and_respects_the_mask(temperature) -> None:
+    # Dividing by such a temperature overflows the logits to +-inf; softmax then gives NaN and the
+    # row used to sample a token the grammar had masked (the fuzz harness found it: a 503 abort).
+    vocab = 64
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(5))
+    logits[:, 1::2] += 10  # odd tokens would win without the constraint
+    a = seq(SamplingParams(temperature=temperature, top_p=0.7, min_p=0.95), sid=0)
+    b = seq(SamplingParams(temperature=temperature), sid=1)
+    a.constraint = EvenOnly(vocab)
+    out = Sampler([EOS], "cpu").sample(logits.clone(), [a, b]).token_ids
+    even = logits[0].clone()
+    even[1::2] = float("-inf")
+    assert out == [even.argmax().item(), logits[1].argmax().item()]

@@ -7,11 +7,15 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+# Temperatures below this are greedy (vLLM's threshold): dividing logits by a tiny positive temperature
+# overflows to inf, and softmax over infinities is NaN.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included) = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 = off
     min_p: float = 0.0
@@ -44,7 +48,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         def bad(msg: str) -> None:

@@ -19,7 +19,7 @@ class Needs(IntFlag):
     """Which optional sampler steps a sequence's parameters ask for (fixed for its lifetime)."""
 
     NOTHING = 0
-    RANDOM = auto()  # temperature > 0
+    RANDOM = auto()  # not greedy (see SamplingParams.greedy)
     TOP_K_TOP_P = auto()
     MIN_P = auto()
     LOGIT_BIAS = auto()
@@ -31,7 +31,7 @@ class Needs(IntFlag):
     @classmethod
     def of(cls, params: SamplingParams) -> Needs:
         needs = cls.NOTHING
-        if params.temperature != 0.0:
+        if not params.greedy:
             needs |= cls.RANDOM
             if params.top_k not in (-1, 0, None) or params.top_p < 1.0:
                 needs |= cls.TOP_K_TOP_P
