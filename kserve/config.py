@@ -174,7 +174,8 @@ class EngineConfig:
     # vLLM's meaning: the share of the accelerator's TOTAL memory this engine may use for weights,
     # activations (measured by a profiling forward) and the KV cache together.
     gpu_memory_utilization: float = 0.9
-    kv_cache_cpu_bytes: int = 1 << 30  # KV cache budget on CPU (no profiling there)
+    # KV cache budget on CPU (no profiling there): 1.25 GiB holds the embedded model's whole 131,072-token context
+    kv_cache_cpu_bytes: int = 5 << 28
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "fp8" = float8_e4m3fn latents with a scale
     enforce_eager: bool = False  # True = never capture CUDA graphs
     enable_prefix_caching: bool = True

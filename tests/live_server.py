@@ -22,8 +22,9 @@ from kserve.server.launch import BackgroundServer
 
 @contextmanager
 def running_server(engine: EngineConfig | None = None, **settings: Any) -> Iterator[BackgroundServer]:
-    """A started server on a free local port, stopped on exit; `settings` are further ServerSettings fields."""
-    engine = engine or EngineConfig(max_num_batched_tokens=4096)
+    """A started server on a free local port, stopped on exit; `settings` are further ServerSettings fields.
+    Without `engine`, the engine has the defaults a user of `kserve serve` gets."""
+    engine = engine or EngineConfig()
     server = BackgroundServer(ServerSettings(port=0, engine=engine, **settings)).start()
     try:
         yield server

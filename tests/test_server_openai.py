@@ -10,11 +10,10 @@ import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
-from live_server import openai_client, running_server  # noqa: E402
+from live_server import openai_client  # noqa: E402
 from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
 
 from kserve.chat import ChatTemplate  # noqa: E402
-from kserve.config import EngineConfig  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CONFORMANCE = SHARED / "conformance"
@@ -23,13 +22,6 @@ MESSAGES = [
     {"role": "system", "content": "You are a terse assistant."},
     {"role": "user", "content": [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colors."}]},
 ]
-
-
-@pytest.fixture(scope="module")
-def server():
-    # A context long enough for the longest vendor-verifier conversation under the tiny byte-level vocabulary.
-    with running_server(EngineConfig(max_model_len=16384, max_num_batched_tokens=4096)) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -170,9 +170,9 @@ def test_ensure_embedded_model_builds_once_under_concurrency(tmp_path, monkeypat
     assert not errors
     assert len(set(results)) == 1
     path = results[0]
-    assert path == tmp_path / "cache" / "tiny-k2-v2"
+    assert path == tmp_path / "cache" / "tiny-k2-v3"
     assert digests(path) == digests(tiny_k2_dir)
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny-k2-v2"]  # no temp dirs left behind
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny-k2-v3"]  # no temp dirs left behind
     assert ensure_embedded_model() == path
 
 

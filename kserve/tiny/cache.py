@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kserve.tiny.checkpoint import write_tiny_checkpoint
 
-EMBEDDED_MODEL_NAME = "tiny-k2-v2"  # bump when the generator's output changes
+EMBEDDED_MODEL_NAME = "tiny-k2-v3"  # bump when the generator's output changes
 
 
 def ensure_embedded_model() -> Path:

@@ -48,7 +48,7 @@ def tiny_config(variant: str = "k2", geometry: str = "k2") -> dict[str, Any]:
         "hidden_size": 256,
         "initializer_range": 0.02,
         "intermediate_size": 512,
-        "max_position_embeddings": 8192,
+        "max_position_embeddings": 131072,  # K2's context and YaRN (4,096 x 32), so it accepts what K2 accepts
         "model_type": "kimi_k2",
         "moe_intermediate_size": 128,
         "moe_layer_freq": 1,
@@ -76,7 +76,7 @@ def tiny_config(variant: str = "k2", geometry: str = "k2") -> dict[str, Any]:
             "factor": 32.0,
             "mscale": 1.0,
             "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 256,
+            "original_max_position_embeddings": 4096,
             "type": "yarn",
         },
         "rope_theta": 50000.0,
@@ -96,7 +96,7 @@ def tiny_config(variant: str = "k2", geometry: str = "k2") -> dict[str, Any]:
     if variant == "v3":
         cfg.update(model_type="deepseek_v3", n_group=4, topk_group=2, routed_scaling_factor=2.5, rope_theta=10000.0,
                    max_position_embeddings=10240)  # = factor x original, as transformers expects
-        cfg["rope_scaling"] = dict(cfg["rope_scaling"], beta_fast=32.0, factor=40.0)
+        cfg["rope_scaling"] = dict(cfg["rope_scaling"], beta_fast=32.0, factor=40.0, original_max_position_embeddings=256)
     return cfg
 
 
