@@ -339,6 +339,21 @@ def _use_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return weight.dtype == FP8_DTYPE and fp8_triton_runs(x.device)
 
 
+def w8a8_block_matmul_quantized(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block: tuple[int, int] = SUPPORTED_BLOCK,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The GEMM on an activation the caller quantized itself (x_q float8 [M, K], x_scale [M, groups]):
+    Triton where it runs, the torch reference otherwise."""
+    if _use_triton(x_q, weight):
+        return w8a8_block_matmul_quantized_triton(x_q.contiguous(), x_scale, weight, weight_scale_inv, block, out_dtype)
+    return w8a8_block_matmul_quantized_torch(x_q, x_scale, weight, weight_scale_inv, block, out_dtype)
+
+
 @torch.library.custom_op("kserve::fp8_block_linear", mutates_args=())
 def _fp8_block_linear_op(
     x: torch.Tensor,

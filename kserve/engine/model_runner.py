@@ -22,7 +22,7 @@ import torch
 
 from kserve.config import EngineConfig, ModelConfig
 from kserve.engine.scheduler import ScheduledSeq
-from kserve.model.forward_batch import ForwardBatch
+from kserve.model.forward_batch import ForwardBatch, slot_of
 
 logger = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ class ModelRunner:
             if item.num_new_tokens == 1:  # decode: the common case, kept cheap
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
+                slots.append(slot_of(table, start, bs))
                 query_lens.append(1)
                 context_lens.append(start + 1)
                 end = start + 1
@@ -293,7 +293,7 @@ class ModelRunner:
                 end = start + item.num_new_tokens
                 input_ids.extend(seq.token_ids[start:end])
                 positions.extend(range(start, end))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                slots.extend(slot_of(table, p, bs) for p in range(start, end))
                 query_lens.append(item.num_new_tokens)
                 context_lens.append(end)
             if end == len(seq.token_ids):

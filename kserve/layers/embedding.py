@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kserve.distributed import ParallelState
+from kserve.layers.weight_loading import copy_checked
 
 
 class _VocabShard(nn.Module):
@@ -30,11 +31,8 @@ class _VocabShard(nn.Module):
         self.weight.checkpoint_slice = (slice(self.vocab_start, self.vocab_start + self.num_real_rows), slice(None))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        expected = (self.num_real_rows, param.shape[1])
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"vocabulary shard shape {tuple(loaded.shape)} != {expected}")
         param.data[self.num_real_rows :].zero_()
-        param.data[: self.num_real_rows].copy_(loaded)
+        copy_checked(param.data[: self.num_real_rows], loaded, "vocabulary shard")
 
 
 class VocabEmbedding(_VocabShard):

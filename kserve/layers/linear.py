@@ -27,18 +27,9 @@ from torch import nn
 
 from kserve.distributed import ParallelState
 from kserve.kernels.fp8_dequant import dequantize_blocks, scale_shape
-from kserve.kernels.fp8_gemm import (
-    fp8_block_linear,
-    w8a8_block_matmul_quantized_torch,
-    w8a8_block_matmul_quantized_triton,
-)
+from kserve.kernels.fp8_gemm import fp8_block_linear, w8a8_block_matmul_quantized
 from kserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
-from kserve.kernels.triton_support import fp8_triton_runs
-
-
-def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
-    if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"{what}: shard shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
+from kserve.layers.weight_loading import copy_checked
 
 
 def fill_zero(t: torch.Tensor) -> None:
@@ -92,8 +83,7 @@ class ShardedLinear(nn.Module):
             target = param.data[self.pad_out :, self.pad_in :]
         else:
             target = param.data
-        _check_shape(target, loaded, "weight_scale_inv" if param is not self.weight else "weight")
-        target.copy_(loaded)
+        copy_checked(target, loaded, "weight_scale_inv" if param is not self.weight else "weight")
 
     def dense_weight(self) -> torch.Tensor:
         """The weight in the compute dtype (a dequantized copy for FP8 layers: for tests and offline use;
@@ -160,12 +150,5 @@ class RowParallelLinear(ShardedLinear):
         amax = self.parallel.all_reduce_max(amax)[:, first : first + groups]
         scales = amax.clamp(min=SCALE_FLOOR) / FP8_MAX
         x_q = (tiles / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(x2.shape[0], groups * b1)[:, : x2.shape[1]]
-        if self.weight.dtype == torch.float8_e4m3fn and fp8_triton_runs(x.device):
-            y = w8a8_block_matmul_quantized_triton(
-                x_q.to(FP8_DTYPE).contiguous(), scales, self.weight, self.weight_scale_inv, self.block, x.dtype
-            )
-        else:
-            y = w8a8_block_matmul_quantized_torch(
-                x_q.to(FP8_DTYPE), scales, self.weight, self.weight_scale_inv, self.block, x.dtype
-            )
+        y = w8a8_block_matmul_quantized(x_q.to(FP8_DTYPE), scales, self.weight, self.weight_scale_inv, self.block, x.dtype)
         return y.view(*lead, self.weight.shape[0])

@@ -17,17 +17,12 @@ from kserve.config import ModelConfig
 from kserve.distributed import ParallelState
 from kserve.kernels.fp8_dequant import dequantize_blocks, scale_shape
 from kserve.layers.mlp import GatedMLP
+from kserve.layers.weight_loading import copy_checked
 
 try:  # H3's fused MoE (custom op kserve::fused_moe), when present
     from kserve.kernels.fused_moe import fused_moe as _fused_moe
 except ImportError:  # pragma: no cover
     _fused_moe = None
-
-
-def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
-    if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
-    param.copy_(loaded)
 
 
 class NoAuxRouter(nn.Module):
@@ -52,7 +47,7 @@ class NoAuxRouter(nn.Module):
             torch.empty(config.n_routed_experts, dtype=torch.float32, device=device), requires_grad=False
         )
         for p in (self.weight, self.e_score_correction_bias):
-            p.weight_loader = lambda param, loaded: _copy_checked(param.data, loaded)
+            p.weight_loader = lambda param, loaded: copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (weights [T, top_k] fp32, expert ids [T, top_k])."""
@@ -131,11 +126,11 @@ class RoutedExperts(nn.Module):
         is_scale = param is getattr(self, "gate_up_proj_scale_inv", None) or param is getattr(self, "down_proj_scale_inv", None)
         split = self.intermediate // self.block[0] if is_scale else self.intermediate
         if shard_id == "gate":
-            _copy_checked(param.data[local, :split], loaded)
+            copy_checked(param.data[local, :split], loaded)
         elif shard_id == "up":
-            _copy_checked(param.data[local, split:], loaded)
+            copy_checked(param.data[local, split:], loaded)
         elif shard_id == "down":
-            _copy_checked(param.data[local], loaded)
+            copy_checked(param.data[local], loaded)
         else:
             raise ValueError(f"unknown expert shard {shard_id!r}")
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kserve.kernels.rmsnorm import rms_norm
+from kserve.layers.weight_loading import copy_checked
 
 
 class RMSNorm(nn.Module):
@@ -16,9 +17,7 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if tuple(param.shape) != tuple(loaded.shape):
-            raise ValueError(f"shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
-        param.data.copy_(loaded)
+        copy_checked(param.data, loaded, "norm weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)

@@ -30,6 +30,11 @@ import torch
 DENSE_MASK_MAX_ELEMENTS = 1 << 20
 
 
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """The cache slot of token `position` of a sequence with this block table."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 def block_causal_mask(
     query_lens: tuple[int, ...], context_lens: tuple[int, ...], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
 ) -> torch.Tensor:
@@ -222,7 +227,7 @@ class ForwardBatch:
             tables.append(table)
             for pos in range(c - q, c):
                 positions.append(pos)
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+                slots.append(slot_of(table, pos, block_size))
         return cls.build(
             positions=positions,
             slots=slots,
