@@ -92,7 +92,8 @@ def build_tools() -> list[Tool]:
     add("get_weather", "Get the current weather for a city.",
         _obj({"city": _s("City name"), "unit": _s("Temperature unit", enum=UNITS)}, ["city"]),
         lambda r: _maybe(r, {"city": r.choice(CITIES)}, "unit", r.choice(UNITS)),
-        ["check the weather in {city}", "tell me the weather in {city}", "find out how warm it is in {city}"],
+        ["check the weather in {city}", "tell me the weather in {city}", "find out how warm it is in {city}",
+         "what's the weather like in {city} today", "how is the weather in {city}"],
         lambda r, a: {"temperature": r.randint(-5, 35), "condition": r.choice(["sunny", "cloudy", "rainy", "windy"])},
         "It is {r_temperature} degrees and {r_condition} in {city}.")
     add("get_forecast", "Get a multi-day weather forecast for a city.",
@@ -457,6 +458,7 @@ def build_tools() -> list[Tool]:
 WRAPPERS_TRAIN = (
     "{Intent}.", "Please {intent}.", "Can you {intent}?", "Could you {intent}?", "I need you to {intent}.",
     "Hey, {intent}.", "{Intent}, please.", "Would you {intent}?", "Go ahead and {intent}.", "Quick one: {intent}.",
+    "{Intent}?",
 )
 WRAPPERS_HELDOUT = (
     "I'd like you to {intent}.", "Mind if I ask you to {intent}?", "When you get a moment, {intent}.",

@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -57,23 +58,42 @@ def encode_conversation(tokenizer: Any, text: str, spans: list[list[int]]) -> tu
     return ids, mask
 
 
-def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy packing of whole conversations into rows of seq_len (longer ones are cut)."""
-    rows_ids, rows_mask = [], []
-    cur_ids: list[int] = []
-    cur_mask: list[int] = []
-    for ids, mask in examples:
-        ids, mask = ids[:seq_len], mask[:seq_len]
-        if len(cur_ids) + len(ids) > seq_len:
-            rows_ids.append(cur_ids + [pad_id] * (seq_len - len(cur_ids)))
-            rows_mask.append(cur_mask + [0] * (seq_len - len(cur_mask)))
-            cur_ids, cur_mask = [], []
-        cur_ids += ids
-        cur_mask += mask
-    if cur_ids:
-        rows_ids.append(cur_ids + [pad_id] * (seq_len - len(cur_ids)))
-        rows_mask.append(cur_mask + [0] * (seq_len - len(cur_mask)))
-    return torch.tensor(rows_ids), torch.tensor(rows_mask)
+def length_batches(examples: list[tuple[list[int], list[int]]], max_len: int, batch_tokens: int,
+                   pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Whole conversations (never packed together, so a copied value can only come from its own
+    conversation), sorted by length into batches of about `batch_tokens` padded tokens each:
+    (ids, assistant mask, real-token mask)."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
+    batches, group = [], []
+    for i in order + [None]:
+        width = len(examples[group[-1]][0]) if group else 0
+        if i is None or (group and (len(group) + 1) * max(width, len(examples[i][0][:max_len])) > batch_tokens):
+            if group:
+                width = min(max_len, max(len(examples[j][0]) for j in group))
+                ids = torch.full((len(group), width), pad_id)
+                mask = torch.zeros((len(group), width), dtype=torch.long)
+                real = torch.zeros((len(group), width), dtype=torch.long)
+                for row, j in enumerate(group):
+                    e_ids, e_mask = examples[j][0][:width], examples[j][1][:width]
+                    ids[row, : len(e_ids)] = torch.tensor(e_ids)
+                    mask[row, : len(e_mask)] = torch.tensor(e_mask)
+                    real[row, : len(e_ids)] = 1
+                batches.append((ids, mask, real))
+            group = []
+        if i is not None:
+            group.append(i)
+    return batches
+
+
+_SPECIAL = re.compile(r"<\|[a-z_]+\|>")
+
+
+def learn_corpus_ranks(convos: list[dict[str, Any]], vocab_size: int) -> tuple[bytes, ...]:
+    """A BPE learned on the conversations' text (control tokens removed) plus make-tiny's corpus."""
+    from kserve.tiny import TRAINING_CORPUS, learn_bpe_ranks
+
+    corpus = "\n".join(_SPECIAL.sub("\n", c["text"]) for c in convos)
+    return learn_bpe_ranks(vocab_size, TRAINING_CORPUS + "\n" + corpus)
 
 
 def export_checkpoint_tensors(model: torch.nn.Module, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -114,62 +134,92 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(args: argparse.Namespace) -> Path:
+def write_weights(model: torch.nn.Module, cfg: dict[str, Any], out: Path) -> None:
+    """Overwrite the checkpoint's shards in `out` with the model's weights (FP8 blocks + scales)."""
     from safetensors.torch import save_file
+
+    tensors = export_checkpoint_tensors(model, cfg)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    for f in sorted(set(index["weight_map"].values())):
+        save_file({n: t.contiguous() for n, t in tensors.items() if index["weight_map"][n] == f}, str(out / f),
+                  metadata={"format": "pt"})
+        (out / f).chmod(0o644)  # safetensors writes through a private temp file
+
+
+def train(args: argparse.Namespace) -> Path:
     from tqdm import tqdm
     from transformers import DeepseekV3ForCausalLM
 
     from kserve.chat import load_tokenizer
     from kserve.model.hf_reference import hf_config
-    from kserve.tiny import tiny_config, write_tiny_checkpoint
+    from kserve.tiny import write_tiny_checkpoint
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
+    convos = generate(args.seed, args.conversations, "train", thinking=args.thinking)
+    ranks = learn_corpus_ranks(convos[: args.bpe_conversations], args.vocab)
     # make-tiny writes the tokenizer files and config; the weights are then replaced by trained ones
-    cfg = model_config(tiny_config("k2"))
-    write_tiny_checkpoint(out, seed=args.seed, config_overrides=K2_CONTEXT)
+    write_tiny_checkpoint(out, seed=args.seed, config_overrides=K2_CONTEXT, ranks=ranks)
+    cfg = json.loads((out / "config.json").read_text())
     tokenizer = load_tokenizer(out)
     pad_id = cfg["eos_token_id"]
 
-    convos = generate(args.seed, args.conversations, "train", thinking=args.thinking)
     examples = [encode_conversation(tokenizer, c["text"], c["spans"]) for c in convos]
-    ids, mask = pack(examples, args.seq_len, pad_id)
-    print(f"{len(convos)} conversations, {ids.numel()} tokens in {ids.shape[0]} rows of {args.seq_len}; "
-          f"{int(mask.sum())} trained tokens")
+    batches = length_batches(examples, args.max_len, args.batch_tokens, pad_id)
+    n_tokens = sum(len(e[0]) for e in examples)
+    print(f"{len(convos)} conversations, {n_tokens} tokens ({n_tokens / len(convos):.0f} each, vocabulary "
+          f"{len(ranks)}), {sum(int(e[1].count(1)) for e in examples)} trained; {len(batches)} batches")
 
-    model = DeepseekV3ForCausalLM(hf_config(out)).float().train()
+    if args.init_from:  # continue from an earlier run's checkpoint (same data, so the same tokenizer)
+        from kserve.model.hf_reference import build_hf_reference
+
+        if (Path(args.init_from) / "tiktoken.model").read_bytes() != (out / "tiktoken.model").read_bytes():
+            raise SystemExit(f"{args.init_from} has another tokenizer: train it with the same data arguments")
+        model = build_hf_reference(args.init_from).float().train()
+    else:
+        model = DeepseekV3ForCausalLM(hf_config(out)).float().train()
+        if args.tied_init:
+            # the head starts as the embedding (still two tensors, as in K2): a value the attention carries
+            # over from the user's message then already scores its own token, so copying is learned fast
+            with torch.no_grad():
+                model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed)
+    order: list[int] = []
     log: list[dict[str, float]] = []
-    start = time.time()
+    start = last_export = time.time()
     bar = tqdm(range(args.steps), desc="train", unit="step")
     for step in bar:
         if args.time_limit and time.time() - start > args.time_limit:
             print(f"time limit reached at step {step}")
             break
-        rows = torch.randint(0, ids.shape[0], (args.batch,), generator=gen)
-        x, m = ids[rows], mask[rows]
+        if not order:  # a new epoch: every batch once, in a seeded order
+            order = torch.randperm(len(batches), generator=gen).tolist()
+        x, m, real = batches[order.pop()]
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         logits = model(input_ids=x).logits[:, :-1].float()
-        target, weight = x[:, 1:], m[:, 1:].float()
-        loss_tok = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
-        loss = (loss_tok * weight.reshape(-1)).sum() / weight.sum().clamp(min=1)
+        target, assistant = x[:, 1:].reshape(-1), m[:, 1:].reshape(-1).float()
+        context = real[:, 1:].reshape(-1).float() - assistant
+        loss_tok = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, reduction="none")
+        n_assistant = assistant.sum().clamp(min=1)
+        loss = (loss_tok * assistant).sum() / n_assistant  # what the curve shows
+        # the rest of the conversation is learned too, at a lower weight: predicting the user's words and the
+        # repeated tool names teaches the attention to look back and copy, which the assistant turns need
+        total = loss + args.context_weight * (loss_tok * context).sum() / context.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         log.append({"step": step, "loss": loss.item(), "seconds": time.time() - start})
         bar.set_postfix(loss=f"{log[-1]['loss']:.3f}")
+        if args.export_every and time.time() - last_export > args.export_every:
+            write_weights(model, cfg, out)
+            last_export = time.time()
 
-    tensors = export_checkpoint_tensors(model, cfg)
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    files = sorted(set(index["weight_map"].values()))
-    for f in files:
-        save_file({n: t.contiguous() for n, t in tensors.items() if index["weight_map"][n] == f}, str(out / f),
-                  metadata={"format": "pt"})
+    write_weights(model, cfg, out)
     (out / "train_log.json").write_text(json.dumps({"args": vars(args), "log": log}, indent=1))
     _plot(log, out / "loss.png")
     return out
@@ -199,9 +249,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=20000)
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--batch-tokens", type=int, default=6144, help="padded tokens per batch")
+    p.add_argument("--max-len", type=int, default=1024, help="longer conversations are cut")
+    p.add_argument("--vocab", type=int, default=4096, help="BPE tokens learned from the conversations")
+    p.add_argument("--bpe-conversations", type=int, default=3000)
+    p.add_argument("--context-weight", type=float, default=0.3,
+                   help="loss weight of the non-assistant tokens (the assistant's are 1)")
+    p.add_argument("--tied-init", action=argparse.BooleanOptionalAction, default=True,
+                   help="initialize the LM head with the embedding")
+    p.add_argument("--init-from", default=None, help="start from this checkpoint's weights")
+    p.add_argument("--export-every", type=float, default=0.0, help="also write the weights every this many seconds")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)

@@ -106,15 +106,16 @@ def _gpt2_byte_order() -> list[int]:
 
 
 @functools.lru_cache(maxsize=4)
-def learn_bpe_ranks(vocab_size: int = BASE_VOCAB) -> tuple[bytes, ...]:
-    """Byte-level BPE tokens, in rank order, learned deterministically from the embedded corpus.
+def learn_bpe_ranks(vocab_size: int = BASE_VOCAB, corpus: str = TRAINING_CORPUS) -> tuple[bytes, ...]:
+    """Byte-level BPE tokens, in rank order, learned deterministically from `corpus` (default: the
+    embedded one; the trained chat model learns its own from its training conversations).
 
     Ties between equally frequent pairs go to the lexicographically smaller merged bytes.
     """
     import regex
 
     pattern = regex.compile(K2_PAT_STR, regex.V1)
-    word_freq = Counter(m.encode("utf-8") for m in pattern.findall(TRAINING_CORPUS))
+    word_freq = Counter(m.encode("utf-8") for m in pattern.findall(corpus))
     vocab: list[bytes] = [bytes([b]) for b in _gpt2_byte_order()]
     known = set(vocab)
     byte_id = {tok[0]: i for i, tok in enumerate(vocab)}

@@ -153,16 +153,23 @@ def write_tiny_checkpoint(
     variant: str = "k2",
     config_overrides: dict[str, Any] | None = None,
     geometry: str = "k2",
+    ranks: tuple[bytes, ...] | None = None,
 ) -> Path:
     """Write a complete tiny model directory; returns its path.
 
     `config_overrides` replaces config.json keys (sizes), e.g. for a larger model in benchmarks.
+    `ranks` replaces the embedded-corpus BPE (learn_bpe_ranks()); the vocabulary size and the special
+    token ids follow its length.
     """
     from safetensors.torch import save_file
 
     out_dir = Path(dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    ranks = ranks if ranks is not None else learn_bpe_ranks()
+    base_vocab = len(ranks)
     cfg = {**tiny_config(variant, geometry), **(config_overrides or {})}
+    cfg.update(vocab_size=base_vocab + NUM_SPECIAL, bos_token_id=special_token_id(163584, base_vocab),
+               eos_token_id=special_token_id(163585, base_vocab))
     tensors = _random_weights(cfg, seed)
     num_shards = 2
     shards: dict[int, dict[str, Any]] = {i: {} for i in range(1, num_shards + 1)}
@@ -182,7 +189,7 @@ def write_tiny_checkpoint(
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     _write_json(out_dir / "config.json", dict(sorted(cfg.items())))
     _write_json(out_dir / "generation_config.json",
-                {"max_length": cfg["max_position_embeddings"], "eos_token_id": special_token_id(163586)})
-    (out_dir / "tiktoken.model").write_text(tiktoken_model_text(learn_bpe_ranks()), encoding="ascii")
-    _write_json(out_dir / "tokenizer_config.json", tokenizer_config())
+                {"max_length": cfg["max_position_embeddings"], "eos_token_id": special_token_id(163586, base_vocab)})
+    (out_dir / "tiktoken.model").write_text(tiktoken_model_text(ranks), encoding="ascii")
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config(base_vocab))
     return out_dir
