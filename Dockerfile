@@ -22,7 +22,7 @@ COPY kernels ./kernels
 COPY configs ./configs
 RUN pip install --no-build-isolation ".[gpu]"
 
-# Serve as an unprivileged user; its home holds the cache (~/.cache/kserve).
+# Serve as an unprivileged user.
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin kserve
 USER kserve
 ENV HOME=/home/kserve

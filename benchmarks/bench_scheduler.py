@@ -66,9 +66,9 @@ def main() -> None:
 
     from kserve.chat import load_tokenizer
     from kserve.config import ModelConfig
-    from kserve.tiny import ensure_embedded_model
+    from kserve.tiny import embedded_model_dir
 
-    model_dir = ensure_embedded_model()
+    model_dir = embedded_model_dir()
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
     config = ModelConfig.from_model_dir(args.tokenizer or model_dir)
     # a one-layer, narrow cache: the stub never reads it

@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         from kserve.chat.render_cli import run_render
 
         if args.model_dir is None:
-            from kserve.tiny import ensure_embedded_model
+            from kserve.tiny import embedded_model_dir
 
-            args.model_dir = str(ensure_embedded_model())
+            args.model_dir = str(embedded_model_dir())
 
         return run_render(args, stdin=sys.stdin, stdout=sys.stdout)
     parser.error(f"unknown command {args.command}")

@@ -1,13 +1,17 @@
 """Train the tiny K2 on synthetic tool-use conversations and write it in K2's published layout.
 
-    python scripts/train_tiny_chat.py --out /tmp/tiny-chat --steps 3000 --seed 0
+    python scripts/train_tiny_chat.py --out /tmp/tiny-chat --steps 1400 --seed 0 [--init-from DIR]
 
 Plain torch on the CPU: the model is transformers' DeepseekV3ForCausalLM (the same architecture and
-the geometry of `kserve make-tiny`, with K2's 131,072-token YaRN context), trained only on the
-assistant turns of conversations from scripts/gen_tool_data.py. The result is quantized to FP8
-128x128 blocks and written with make-tiny's tokenizer files, so kserve loads it like any K2
-checkpoint. A progress bar shows the loss; `loss.png` (and `train_log.json`) in the output directory
-record the curve. Same seed, same arguments => the same weights (single-threaded determinism aside).
+the geometry of `kserve make-tiny`, with K2's 131,072-token YaRN context) in fp32, trained with AdamW on
+conversations from scripts/gen_tool_data.py: the assistant turns at weight 1, the rest of each
+conversation at `--context-weight`. The tokenizer is a byte-level BPE learned from the conversations;
+batches hold whole conversations of similar length. `--qk-clip` bounds every head's attention logit
+as K2's QK-Clip does. The result is quantized to FP8 128x128 blocks and written with K2's tokenizer
+files, so kserve loads it like any K2 checkpoint. A progress bar shows the loss; `loss.png` and
+`train_log.json` in the output directory record the curve. The embedded model's stages and their exact
+arguments are in the README ("The embedded model"). Same seed, same arguments => the same data,
+tokenizer and batch order; weights up to floating-point thread nondeterminism.
 """
 
 from __future__ import annotations
@@ -134,6 +138,56 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+class AttentionLogitClip:
+    """K2's QK-Clip (the "Clip" of MuonClip) for MLA, bounding each head's largest attention logit.
+
+    Forward pre-hooks keep each attention layer's input from the last step; after the optimizer step,
+    each head's largest causal logit on the first row is bounded (rope part by |q_pe||k_pe|, an upper
+    bound) and, where it exceeds `tau`, the head's query (nope and rope rows of q_b_proj) and its own key
+    rows of kv_b_proj are scaled down, as K2 does, so the logit is at most `tau`; the shared rope key is
+    left alone. Without it this tiny model's attention saturated (every head one-hot, entropy ~0) and
+    stopped learning to look back at the user's words.
+    """
+
+    def __init__(self, model: torch.nn.Module, tau: float) -> None:
+        self.tau = tau
+        self.layers = [layer.self_attn for layer in model.model.layers]
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.clipped = 0
+        for i, attn in enumerate(self.layers):
+            attn.register_forward_pre_hook(self._keep(i), with_kwargs=True)
+
+    def _keep(self, index: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self.inputs[index] = hidden[:1].detach()
+        return hook
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for i, attn in enumerate(self.layers):
+            x = self.inputs.get(i)
+            if x is None:
+                continue
+            heads, nope, rope = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim
+            q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))[0].view(-1, heads, nope + rope)
+            kv = attn.kv_a_proj_with_mqa(x)[0]
+            latent, k_pe = kv[:, : attn.kv_lora_rank], kv[:, attn.kv_lora_rank:]
+            k_nope = attn.kv_b_proj(attn.kv_a_layernorm(latent)).view(-1, heads, nope + attn.v_head_dim)[..., :nope]
+            t = x.shape[1]
+            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            dots = torch.einsum("qhd,khd->hqk", q[..., :nope], k_nope)
+            dots = dots + q[..., nope:].norm(dim=-1).T[:, :, None] * k_pe.norm(dim=-1)[None, None, :]
+            peak = dots.masked_fill(~causal, float("-inf")).amax(dim=(1, 2)) * attn.scaling
+            for h in (peak > self.tau).nonzero().flatten().tolist():
+                gamma = self.tau / peak[h].item()
+                qb = attn.q_b_proj.weight.view(heads, nope + rope, -1)
+                qb[h, :nope] *= gamma ** 0.5
+                qb[h, nope:] *= gamma
+                attn.kv_b_proj.weight.view(heads, nope + attn.v_head_dim, -1)[h, :nope] *= gamma ** 0.5
+                self.clipped += 1
+
+
 def write_weights(model: torch.nn.Module, cfg: dict[str, Any], out: Path) -> None:
     """Overwrite the checkpoint's shards in `out` with the model's weights (FP8 blocks + scales)."""
     from safetensors.torch import save_file
@@ -180,20 +234,16 @@ def train(args: argparse.Namespace) -> Path:
         model = build_hf_reference(args.init_from).float().train()
     else:
         model = DeepseekV3ForCausalLM(hf_config(out)).float().train()
-        if args.tied_init:
-            # the head starts as the embedding (still two tensors, as in K2): a value the attention carries
-            # over from the user's message then already scores its own token, so copying is learned fast
-            with torch.no_grad():
-                model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    gen = torch.Generator().manual_seed(args.seed)
+    clip = AttentionLogitClip(model, args.qk_clip) if args.qk_clip else None
+    gen = torch.Generator().manual_seed(args.seed if args.shuffle_seed is None else args.shuffle_seed)
     order: list[int] = []
     log: list[dict[str, float]] = []
     start = last_export = time.time()
     bar = tqdm(range(args.steps), desc="train", unit="step")
     for step in bar:
-        if args.time_limit and time.time() - start > args.time_limit:
-            print(f"time limit reached at step {step}")
+        if args.time_limit and time.time() - start > args.time_limit or step == args.stop_at:
+            print(f"stopped at step {step}")
             break
         if not order:  # a new epoch: every batch once, in a seeded order
             order = torch.randperm(len(batches), generator=gen).tolist()
@@ -213,8 +263,10 @@ def train(args: argparse.Namespace) -> Path:
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if clip is not None:
+            clip()
         log.append({"step": step, "loss": loss.item(), "seconds": time.time() - start})
-        bar.set_postfix(loss=f"{log[-1]['loss']:.3f}")
+        bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", clipped=clip.clipped if clip else 0)
         if args.export_every and time.time() - last_export > args.export_every:
             write_weights(model, cfg, out)
             last_export = time.time()
@@ -256,14 +308,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bpe-conversations", type=int, default=3000)
     p.add_argument("--context-weight", type=float, default=0.3,
                    help="loss weight of the non-assistant tokens (the assistant's are 1)")
-    p.add_argument("--tied-init", action=argparse.BooleanOptionalAction, default=True,
-                   help="initialize the LM head with the embedding")
+    p.add_argument("--qk-clip", type=float, default=0.0,
+                   help="bound every head's attention logit by this (K2's QK-Clip; 0: off)")
+    p.add_argument("--shuffle-seed", type=int, default=None, help="batch order (default: --seed)")
     p.add_argument("--init-from", default=None, help="start from this checkpoint's weights")
     p.add_argument("--export-every", type=float, default=0.0, help="also write the weights every this many seconds")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--thinking", action="store_true")
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="stop after this many steps (the learning-rate schedule still spans --steps)")
     p.add_argument("--time-limit", type=float, default=0.0, help="stop after this many seconds (0: none)")
     args = p.parse_args(argv)
     print(train(args))

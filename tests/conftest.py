@@ -1,16 +1,12 @@
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 # Triton kernels run in the interpreter on CPU; must be set before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# The embedded tiny model is built fresh for the session (and its subprocesses), never read from a
-# user's cache that an older generator may have written.
-os.environ["KSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="kserve-test-cache-")
 
 
 def _make_tiny(path: Path, variant: str, seed: int = 0) -> Path:

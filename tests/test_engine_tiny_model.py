@@ -22,9 +22,9 @@ from kserve.engine.sampling_params import SamplingParams
 def tiny():
     from kserve.chat import load_tokenizer
     from kserve.model import load_model
-    from kserve.tiny import ensure_embedded_model
+    from kserve.tiny import embedded_model_dir
 
-    model_dir = Path(ensure_embedded_model())
+    model_dir = Path(embedded_model_dir())
     # Dequantized weights: these tests compare different batchings token for token, and on the FP8
     # path a one-ulp difference between batch shapes (BLAS blocking) can move an activation across
     # an e4m3 rounding boundary, which a random tiny model amplifies into a different greedy token.

@@ -273,9 +273,9 @@ class _HeldEngine:
 def test_too_many_concurrent_requests_get_429():
     from kserve.chat import ChatTemplate, load_tokenizer
     from kserve.server.context import ServingContext
-    from kserve.tiny import ensure_embedded_model
+    from kserve.tiny import embedded_model_dir
 
-    model_dir = ensure_embedded_model()
+    model_dir = embedded_model_dir()
     engine = _HeldEngine()
 
     async def loader(settings, metrics):
@@ -377,9 +377,9 @@ class _EndingEngine:
 def ending():
     from kserve.chat import ChatTemplate, load_tokenizer
     from kserve.server.context import ServingContext
-    from kserve.tiny import ensure_embedded_model
+    from kserve.tiny import embedded_model_dir
 
-    model_dir = ensure_embedded_model()
+    model_dir = embedded_model_dir()
     engine = _EndingEngine()
 
     async def loader(settings, metrics):

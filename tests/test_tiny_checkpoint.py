@@ -5,15 +5,15 @@ import hashlib
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
+import kserve.tiny
 from kserve.config import ModelConfig
-from kserve.tiny import BASE_VOCAB, ensure_embedded_model, write_tiny_checkpoint
+from kserve.tiny import BASE_VOCAB, embedded_model_dir, write_tiny_checkpoint
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
@@ -152,28 +152,28 @@ def test_round_trip_loads_in_kserve_and_transformers(tiny_k2_dir):
     )
 
 
-def test_ensure_embedded_model_builds_once_under_concurrency(tmp_path, monkeypatch, tiny_k2_dir):
-    monkeypatch.setenv("KSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    results, errors = [], []
+def test_embedded_model_is_a_trained_k2_checkpoint_in_the_package():
+    """The default model ships inside the package in K2's published layout, under 20 MB, with K2's context."""
+    from kserve.chat import load_tokenizer
 
-    def build():
-        try:
-            results.append(ensure_embedded_model())
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=build) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    assert len(set(results)) == 1
-    path = results[0]
-    assert path == tmp_path / "cache" / "tiny-k2-v3"
-    assert digests(path) == digests(tiny_k2_dir)
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny-k2-v3"]  # no temp dirs left behind
-    assert ensure_embedded_model() == path
+    path = embedded_model_dir()
+    assert path.parent == Path(kserve.tiny.__file__).resolve().parent
+    names = {p.name for p in path.iterdir()}
+    assert {"config.json", "generation_config.json", "tiktoken.model", "tokenizer_config.json",
+            "model.safetensors.index.json"} <= names
+    weights = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    assert 0 < weights <= 20 * 2**20
+    cfg = ModelConfig.from_model_dir(path)
+    assert cfg.max_position_embeddings == 131072 and cfg.rope_scaling.factor == 32.0
+    assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank) == (128, 64, 128, 512)
+    tokenizer = load_tokenizer(path)
+    assert cfg.vocab_size == tokenizer.base_vocab_size + 256
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    with safe_open(path / index["weight_map"]["model.layers.1.mlp.experts.0.down_proj.weight"], "pt") as f:
+        assert f.get_tensor("model.layers.1.mlp.experts.0.down_proj.weight").dtype == torch.float8_e4m3fn
+    # trained by scripts/train_tiny_chat.py, whose log ships beside the weights
+    stages = json.loads((path / "train_log.json").read_text())["stages"]
+    assert stages[-1]["log"][-1]["loss"] < 0.5 * stages[0]["log"][0]["loss"]
 
 
 def test_small_geometry_is_kept_behind_a_flag(tmp_path):

@@ -125,9 +125,9 @@ class LLMEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         if config.model is None:
-            from kserve.tiny import ensure_embedded_model
+            from kserve.tiny import embedded_model_dir
 
-            model_dir = Path(ensure_embedded_model())
+            model_dir = Path(embedded_model_dir())
         else:
             model_dir = Path(config.model)
         tokenizer = load_tokenizer(model_dir)

@@ -167,7 +167,7 @@ def run_headless(layout: RankLayout, model_dir: str | None, device: str, dtype: 
 
     resolved = resolve_device(device)
     if model_dir is None:
-        from kserve.tiny import ensure_embedded_model
+        from kserve.tiny import embedded_model_dir
 
-        model_dir = str(ensure_embedded_model())
+        model_dir = str(embedded_model_dir())
     return run_headless_node(layout, model_dir, resolved, resolve_dtype(dtype, resolved))

@@ -1,19 +1,19 @@
-"""The tiny random Kimi K2 model for tests and CPU serving (`kserve make-tiny`, the embedded model).
+"""Tiny Kimi K2 models: random checkpoints for tests (`kserve make-tiny`) and the trained embedded chat model.
 
 Modules, one job each: `bpe` (the byte-level BPE trainer and its corpus), `tokenizer_files`
 (K2-format tiktoken.model and tokenizer_config.json), `checkpoint` (config and FP8 safetensors in
-Moonshot's layout), `cache` (the embedded model built once under the cache directory).
+Moonshot's layout), `embedded` (the trained chat model shipped in the package, the default model).
 """
 
 from kserve.chat.tokenizer import K2_PAT_STR
 from kserve.tiny.bpe import BASE_VOCAB, TRAINING_CORPUS, learn_bpe_ranks
-from kserve.tiny.cache import EMBEDDED_MODEL_NAME, ensure_embedded_model
 from kserve.tiny.checkpoint import (
     GEOMETRIES,
     VARIANTS,
     tiny_config,
     write_tiny_checkpoint,
 )
+from kserve.tiny.embedded import EMBEDDED_MODEL_NAME, embedded_model_dir
 from kserve.tiny.tokenizer_files import (
     K2_FIRST_SPECIAL,
     K2_NAMED_SPECIAL_TOKENS,
@@ -25,6 +25,6 @@ from kserve.tiny.tokenizer_files import (
 
 __all__ = [
     "BASE_VOCAB", "EMBEDDED_MODEL_NAME", "GEOMETRIES", "K2_FIRST_SPECIAL", "K2_NAMED_SPECIAL_TOKENS", "K2_PAT_STR",
-    "NUM_SPECIAL", "TRAINING_CORPUS", "VARIANTS", "ensure_embedded_model", "learn_bpe_ranks", "special_token_id",
+    "NUM_SPECIAL", "TRAINING_CORPUS", "VARIANTS", "embedded_model_dir", "learn_bpe_ranks", "special_token_id",
     "tiktoken_model_text", "tiny_config", "tokenizer_config", "write_tiny_checkpoint",
 ]
