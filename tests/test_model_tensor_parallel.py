@@ -52,6 +52,9 @@ def _worker(rank: int, world: int, model_dir: str, init_file: str, out_file: str
         logits = run_steps(model, IDS, probes)
         if rank == 0:
             torch.save((logits, probes), out_file)
+        # neither rank tears gloo down while the other may still be in its last collective: under load
+        # that teardown race aborted rank 0 ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
