@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 import kserve.tiny
 from kserve.config import ModelConfig
-from kserve.tiny import BASE_VOCAB, embedded_model_dir, write_tiny_checkpoint
+from kserve.tiny import BASE_VOCAB, embedded_model_dir, special_token_id, tokenizer_config, write_tiny_checkpoint
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
@@ -168,6 +168,10 @@ def test_embedded_model_is_a_trained_k2_checkpoint_in_the_package():
     assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank) == (128, 64, 128, 512)
     tokenizer = load_tokenizer(path)
     assert cfg.vocab_size == tokenizer.base_vocab_size + 256
+    # the tokenizer files are the project's own output (make-tiny's writer over the BPE learned from the
+    # training conversations), not a copy of K2's: special ids follow the 4,096-token base vocabulary
+    assert json.loads((path / "tokenizer_config.json").read_text()) == tokenizer_config(tokenizer.base_vocab_size)
+    assert tokenizer.base_vocab_size == 4096 and cfg.eos_token_id == special_token_id(163585, 4096)
     index = json.loads((path / "model.safetensors.index.json").read_text())
     with safe_open(path / index["weight_map"]["model.layers.1.mlp.experts.0.down_proj.weight"], "pt") as f:
         assert f.get_tensor("model.layers.1.mlp.experts.0.down_proj.weight").dtype == torch.float8_e4m3fn
