@@ -458,13 +458,16 @@ def build_tools() -> list[Tool]:
 WRAPPERS_TRAIN = (
     "{Intent}.", "Please {intent}.", "Can you {intent}?", "Could you {intent}?", "I need you to {intent}.",
     "Hey, {intent}.", "{Intent}, please.", "Would you {intent}?", "Go ahead and {intent}.", "Quick one: {intent}.",
-    "{Intent}?",
+    "{Intent}?", "Do me a favor and {intent}.", "I want you to {intent}.", "Can you please {intent}?",
+    "Hey there, {intent}.", "If you can, {intent}.", "Now {intent}.", "Please go and {intent}.",
+    "I was wondering if you could {intent}.", "Try to {intent}.", "Okay, {intent}.",
 )
 WRAPPERS_HELDOUT = (
     "I'd like you to {intent}.", "Mind if I ask you to {intent}?", "When you get a moment, {intent}.",
     "Help me out and {intent}.", "Kindly {intent}.",
 )
-TWO_TASK_JOINERS_TRAIN = ("{a} and {b}", "{a}, and also {b}", "{a}; then {b}")
+TWO_TASK_JOINERS_TRAIN = ("{a} and {b}", "{a}, and also {b}", "{a}; then {b}", "{a}, plus {b}", "{a}. Also {b}",
+                          "{a} and then {b}")
 TWO_TASK_JOINERS_HELDOUT = ("{a} as well as {b}",)
 
 SYSTEM_PROMPTS = (
@@ -474,8 +477,12 @@ SYSTEM_PROMPTS = (
 
 # Plain chats: (user phrasings, answer). Answers are short and end the turn.
 PLAIN_CHATS = (
-    (("Hi!", "Hello there.", "Hey, how are you?", "Good morning!"), "Hello! How can I help you today?"),
-    (("Thanks!", "Thank you so much.", "Great, thanks."), "You're welcome!"),
+    (("Hi!", "Hello there.", "Hey, how are you?", "Good morning!", "Hello!", "Hey!", "Hiya!", "Good evening.",
+      "Good afternoon!", "Hey there!", "Greetings.", "How's it going?", "How are you doing?", "Hi, anyone there?"),
+     "Hello! How can I help you today?"),
+    (("Thanks!", "Thank you so much.", "Great, thanks.", "Thanks a lot.", "Thank you!", "Appreciate it.",
+      "Thanks, that helps.", "Perfect, thank you.", "Nice one, thanks.", "Many thanks.", "That was helpful, thanks."),
+     "You're welcome!"),
     (("Who are you?", "What are you?", "Tell me about yourself."),
      "I am a small assistant model. I can chat briefly and call the tools you give me."),
     (("Tell me a joke.", "Say something funny.", "Make me laugh."),

@@ -1,16 +1,18 @@
 """Train the tiny K2 on synthetic tool-use conversations and write it in K2's published layout.
 
-    python scripts/train_tiny_chat.py --out /tmp/tiny-chat --steps 1400 --seed 0 [--init-from DIR]
+    python scripts/train_tiny_chat.py --out /tmp/tiny-chat [--seed 0] [--stop-at N] [--init-from DIR]
 
 Plain torch on the CPU: the model is transformers' DeepseekV3ForCausalLM (the same architecture and
-the geometry of `kserve make-tiny`, with K2's 131,072-token YaRN context) in fp32, trained with AdamW on
-conversations from scripts/gen_tool_data.py: the assistant turns at weight 1, the rest of each
-conversation at `--context-weight`. The tokenizer is a byte-level BPE learned from the conversations;
-batches hold whole conversations of similar length. `--qk-clip` bounds every head's attention logit
-as K2's QK-Clip does. The result is quantized to FP8 128x128 blocks and written with K2's tokenizer
-files, so kserve loads it like any K2 checkpoint. A progress bar shows the loss; `loss.png` and
-`train_log.json` in the output directory record the curve. The embedded model's stages and their exact
-arguments are in the README ("The embedded model"). Same seed, same arguments => the same data,
+the geometry of `kserve make-tiny`, with K2's 131,072-token YaRN context), fp32 weights with bf16
+matmuls, trained with AdamW on conversations from scripts/gen_tool_data.py: the assistant turns at
+weight 1 (their tool-call arguments at `--arguments-weight`, the tokens that choose between text and a
+tool call, which tool and how many calls at `--choice-weight`), the rest of each conversation at
+`--context-weight`. The tokenizer is a byte-level BPE learned from the conversations; batches hold
+whole conversations of similar length. `--qk-clip` bounds every head's attention logit as K2's
+QK-Clip does. The result is quantized to FP8 128x128 blocks and written with K2's tokenizer files, so
+kserve loads it like any K2 checkpoint. A progress bar shows the loss; `loss.png` and `train_log.json`
+in the output directory record the curve. The defaults are the embedded model's recipe; its exact
+command is in the README ("The embedded model"). Same seed, same arguments => the same data,
 tokenizer and batch order; weights up to floating-point thread nondeterminism.
 """
 
@@ -42,31 +44,52 @@ def model_config(base: dict[str, Any]) -> dict[str, Any]:
     return {**base, **K2_CONTEXT}
 
 
-def encode_conversation(tokenizer: Any, text: str, spans: list[list[int]]) -> tuple[list[int], list[int]]:
-    """Token ids and a 0/1 mask of the tokens to learn (the assistant spans). Spans begin and end at
-    control tokens, so encoding piece by piece gives the same ids as encoding the whole text."""
+_CALL = re.compile(r"<\|tool_call_begin\|>(.*?)<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.S)
+
+
+def encode_conversation(tokenizer: Any, text: str, spans: list[list[int]], arguments_weight: float = 1.0,
+                        choice_weight: float = 1.0) -> tuple[list[int], list[float]]:
+    """Token ids and each token's loss weight: 0 outside the assistant spans, 1 inside, `arguments_weight`
+    on a tool call's arguments (the values to copy from the request) and `choice_weight` on the tokens that
+    decide what the turn does: its first token (text or a tool-call section), each called tool's name,
+    and the token after each call (another call or the section's end). Every piece begins and ends at a
+    control token, so encoding piece by piece gives the same ids as encoding the whole text."""
+    call_end = tokenizer.encode("<|tool_call_end|>", allow_special_tokens=True)[0]
     ids: list[int] = []
-    mask: list[int] = []
+    weights: list[float] = []
+
+    def add(start: int, end: int, weight: float) -> None:
+        if end > start:
+            piece_ids = tokenizer.encode(text[start:end], allow_special_tokens=True)
+            ids.extend(piece_ids)
+            weights.extend([weight] * len(piece_ids))
+
     cursor = 0
     for start, end in spans:
-        for piece, learn in ((text[cursor:start], 0), (text[start:end], 1)):
-            if piece:
-                piece_ids = tokenizer.encode(piece, allow_special_tokens=True)
-                ids += piece_ids
-                mask += [learn] * len(piece_ids)
+        add(cursor, start, 0.0)
+        first, inner = len(ids), start
+        for m in _CALL.finditer(text, start, end):
+            add(inner, m.start(1), 1.0)
+            add(m.start(1), m.end(1), choice_weight)
+            add(m.end(1), m.start(2), 1.0)
+            add(m.start(2), m.end(2), arguments_weight)
+            inner = m.end(2)
+        add(inner, end, 1.0)
+        if len(ids) > first:
+            weights[first] = choice_weight
+        for i in range(first, len(ids) - 1):
+            if ids[i] == call_end:
+                weights[i + 1] = choice_weight
         cursor = end
-    if cursor < len(text):
-        tail = tokenizer.encode(text[cursor:], allow_special_tokens=True)
-        ids += tail
-        mask += [0] * len(tail)
-    return ids, mask
+    add(cursor, len(text), 0.0)
+    return ids, weights
 
 
-def length_batches(examples: list[tuple[list[int], list[int]]], max_len: int, batch_tokens: int,
+def length_batches(examples: list[tuple[list[int], list[float]]], max_len: int, batch_tokens: int,
                    pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Whole conversations (never packed together, so a copied value can only come from its own
     conversation), sorted by length into batches of about `batch_tokens` padded tokens each:
-    (ids, assistant mask, real-token mask)."""
+    (ids, assistant loss weights, real-token mask)."""
     order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
     batches, group = [], []
     for i in order + [None]:
@@ -75,7 +98,7 @@ def length_batches(examples: list[tuple[list[int], list[int]]], max_len: int, ba
             if group:
                 width = min(max_len, max(len(examples[j][0]) for j in group))
                 ids = torch.full((len(group), width), pad_id)
-                mask = torch.zeros((len(group), width), dtype=torch.long)
+                mask = torch.zeros((len(group), width))
                 real = torch.zeros((len(group), width), dtype=torch.long)
                 for row, j in enumerate(group):
                     e_ids, e_mask = examples[j][0][:width], examples[j][1][:width]
@@ -220,11 +243,11 @@ def train(args: argparse.Namespace) -> Path:
     tokenizer = load_tokenizer(out)
     pad_id = cfg["eos_token_id"]
 
-    examples = [encode_conversation(tokenizer, c["text"], c["spans"]) for c in convos]
+    examples = [encode_conversation(tokenizer, c["text"], c["spans"], args.arguments_weight, args.choice_weight) for c in convos]
     batches = length_batches(examples, args.max_len, args.batch_tokens, pad_id)
     n_tokens = sum(len(e[0]) for e in examples)
     print(f"{len(convos)} conversations, {n_tokens} tokens ({n_tokens / len(convos):.0f} each, vocabulary "
-          f"{len(ranks)}), {sum(int(e[1].count(1)) for e in examples)} trained; {len(batches)} batches")
+          f"{len(ranks)}), {sum(sum(w > 0 for w in e[1]) for e in examples)} trained; {len(batches)} batches")
 
     if args.init_from:  # continue from an earlier run's checkpoint (same data, so the same tokenizer)
         from kserve.model.hf_reference import build_hf_reference
@@ -250,15 +273,20 @@ def train(args: argparse.Namespace) -> Path:
         x, m, real = batches[order.pop()]
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        logits = model(input_ids=x).logits[:, :-1].float()
-        target, assistant = x[:, 1:].reshape(-1), m[:, 1:].reshape(-1).float()
+        # bf16 matmuls (fp32 weights, optimizer and loss): twice fp32's speed on these CPUs
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            logits = model(input_ids=x).logits[:, :-1]
+        target, weight = x[:, 1:].reshape(-1), m[:, 1:].reshape(-1)
+        assistant = (weight > 0).float()
         context = real[:, 1:].reshape(-1).float() - assistant
-        loss_tok = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, reduction="none")
+        loss_tok = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target,
+                                                     reduction="none")
         n_assistant = assistant.sum().clamp(min=1)
         loss = (loss_tok * assistant).sum() / n_assistant  # what the curve shows
         # the rest of the conversation is learned too, at a lower weight: predicting the user's words and the
         # repeated tool names teaches the attention to look back and copy, which the assistant turns need
-        total = loss + args.context_weight * (loss_tok * context).sum() / context.sum().clamp(min=1)
+        total = (loss_tok * weight).sum() / n_assistant
+        total = total + args.context_weight * (loss_tok * context).sum() / context.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -272,9 +300,21 @@ def train(args: argparse.Namespace) -> Path:
             last_export = time.time()
 
     write_weights(model, cfg, out)
-    (out / "train_log.json").write_text(json.dumps({"args": vars(args), "log": log}, indent=1))
-    _plot(log, out / "loss.png")
+    # a run started from another keeps that one's stages before its own
+    stages = _stages(Path(args.init_from)) if args.init_from else []
+    stages.append({"args": vars(args), "log": log})
+    (out / "train_log.json").write_text(json.dumps({"stages": stages}, indent=1))
+    curve, offset = [], 0
+    for stage in stages:
+        curve += [dict(row, step=row["step"] + offset) for row in stage["log"]]
+        offset += len(stage["log"])
+    _plot(curve, out / "loss.png")
     return out
+
+
+def _stages(checkpoint: Path) -> list[dict[str, Any]]:
+    path = checkpoint / "train_log.json"
+    return json.loads(path.read_text())["stages"] if path.exists() else []
 
 
 def _plot(log: list[dict[str, float]], path: Path) -> None:
@@ -300,20 +340,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--conversations", type=int, default=20000)
-    p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--batch-tokens", type=int, default=6144, help="padded tokens per batch")
+    p.add_argument("--conversations", type=int, default=40000)
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--batch-tokens", type=int, default=3072, help="padded tokens per batch")
     p.add_argument("--max-len", type=int, default=1024, help="longer conversations are cut")
     p.add_argument("--vocab", type=int, default=4096, help="BPE tokens learned from the conversations")
     p.add_argument("--bpe-conversations", type=int, default=3000)
     p.add_argument("--context-weight", type=float, default=0.3,
                    help="loss weight of the non-assistant tokens (the assistant's are 1)")
-    p.add_argument("--qk-clip", type=float, default=0.0,
+    p.add_argument("--arguments-weight", type=float, default=3.0,
+                   help="loss weight of the tool calls' argument tokens (the rest of the assistant's are 1)")
+    p.add_argument("--choice-weight", type=float, default=3.0,
+                   help="loss weight of the tokens that choose text or a tool call, which tool, and how many calls")
+    p.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 matmuls (default: bf16 autocast)")
+    p.add_argument("--qk-clip", type=float, default=15.0,
                    help="bound every head's attention logit by this (K2's QK-Clip; 0: off)")
     p.add_argument("--shuffle-seed", type=int, default=None, help="batch order (default: --seed)")
     p.add_argument("--init-from", default=None, help="start from this checkpoint's weights")
     p.add_argument("--export-every", type=float, default=0.0, help="also write the weights every this many seconds")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--thinking", action="store_true")

@@ -39,6 +39,7 @@ def test_weather_question_gets_a_tool_call_then_a_text_answer_from_the_result(se
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     call = choice.message.tool_calls[0]
+    assert json.loads(call.function.arguments)["city"] == "Paris"  # copied from the question
 
     messages += [choice.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "condition": "sunny"})}]
@@ -46,14 +47,15 @@ def test_weather_question_gets_a_tool_call_then_a_text_answer_from_the_result(se
                                             temperature=0)
     answer = second.choices[0]
     assert answer.finish_reason == "stop" and not answer.message.tool_calls
-    assert answer.message.content
+    assert "18" in answer.message.content  # read from the tool result
 
 
 def test_held_out_conversations_call_the_right_tool_and_plain_chats_stop(server, ctx):
-    """A small held-out sample (another seed, phrasings never trained on): 74% right tool and 77% plain stops
-    when trained (a random model makes no tool call). The README's figures come from
-    `python scripts/eval_tool_calls.py --count 200`; exact arguments (about 4%) are not yet learned."""
+    """A small held-out sample (another seed, phrasings never trained on): 67% right tool, 19% exact arguments
+    and 77% plain stops when trained (a random model makes no tool call; the model before arguments were
+    learned got 0-4% exact). The README's figures come from `python scripts/eval_tool_calls.py --count 200`."""
     rows = generate(seed=7, count=40, split="heldout")
     result = score(openai_client(server), ctx.model_name, rows)
     assert result["tool_call_rate"] >= 0.6, result["failures"]
+    assert result["exact_args_rate"] >= 0.1, result["failures"]
     assert result["plain_stop_rate"] >= 0.6, result["failures"]

@@ -12,7 +12,16 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from gen_tool_data import generate
-from tool_data_pool import WRAPPERS_HELDOUT, WRAPPERS_TRAIN, build_tools
+from tool_data_pool import (
+    PLAIN_CHATS,
+    PLAIN_CHATS_HELDOUT,
+    TWO_TASK_JOINERS_HELDOUT,
+    TWO_TASK_JOINERS_TRAIN,
+    WRAPPERS_HELDOUT,
+    WRAPPERS_TRAIN,
+    build_tools,
+)
+from train_tiny_chat import encode_conversation
 
 from kserve.chat import parse_tool_output, render_prompt
 
@@ -35,6 +44,32 @@ def test_same_seed_same_data_and_other_seed_differs():
 
 def test_heldout_phrasings_are_never_used_for_training():
     assert not set(WRAPPERS_TRAIN) & set(WRAPPERS_HELDOUT)
+    assert not set(TWO_TASK_JOINERS_TRAIN) & set(TWO_TASK_JOINERS_HELDOUT)
+    train_chats = {ask.lower() for asks, _ in PLAIN_CHATS for ask in asks}
+    assert not train_chats & {ask.lower() for asks, _ in PLAIN_CHATS_HELDOUT for ask in asks}
+
+
+def test_training_weights_the_assistant_turns_their_arguments_and_their_choices(tiny_k2_dir):
+    from kserve.chat import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_k2_dir)
+    rows = generate(0, 60)
+    for row in rows:
+        ids, weights = encode_conversation(tokenizer, row["text"], row["spans"], arguments_weight=3.0,
+                                           choice_weight=2.0)
+        # encoded piece by piece, yet the same ids as the whole conversation
+        assert ids == tokenizer.encode(row["text"], allow_special_tokens=True)
+        learned = "".join(tokenizer.decode([i]) for i, w in zip(ids, weights) if w > 0)
+        assert learned == "".join(row["text"][a:b] for a, b in row["spans"])
+        arguments = "".join(tokenizer.decode([i]) for i, w in zip(ids, weights) if w == 3.0)
+        calls = [c for m in row["messages"] for c in m.get("tool_calls") or []]
+        assert arguments == "".join(c["function"]["arguments"] for c in calls)
+        choices = [tokenizer.decode([i]) for i, w in zip(ids, weights) if w == 2.0]
+        opening = [row["text"][a:b] for a, b in row["spans"]]
+        assert len([t for t in choices if t == "<|tool_calls_section_begin|>"]) == sum(
+            turn.startswith("<|tool_calls_section_begin|>") for turn in opening)
+        assert "".join(choices).count("functions.") == len(calls)
+        assert choices.count("<|tool_calls_section_end|>") == sum(bool(m.get("tool_calls")) for m in row["messages"])
 
 
 @pytest.mark.parametrize("split", ["train", "heldout"])
