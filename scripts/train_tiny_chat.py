@@ -98,14 +98,14 @@ def length_batches(examples: list[tuple[list[int], list[float]]], max_len: int, 
             if group:
                 width = min(max_len, max(len(examples[j][0]) for j in group))
                 ids = torch.full((len(group), width), pad_id)
-                mask = torch.zeros((len(group), width))
+                weights = torch.zeros((len(group), width))
                 real = torch.zeros((len(group), width), dtype=torch.long)
                 for row, j in enumerate(group):
-                    e_ids, e_mask = examples[j][0][:width], examples[j][1][:width]
+                    e_ids, e_weights = examples[j][0][:width], examples[j][1][:width]
                     ids[row, : len(e_ids)] = torch.tensor(e_ids)
-                    mask[row, : len(e_mask)] = torch.tensor(e_mask)
+                    weights[row, : len(e_weights)] = torch.tensor(e_weights)
                     real[row, : len(e_ids)] = 1
-                batches.append((ids, mask, real))
+                batches.append((ids, weights, real))
             group = []
         if i is not None:
             group.append(i)
@@ -283,9 +283,9 @@ def train(args: argparse.Namespace) -> Path:
                                                      reduction="none")
         n_assistant = assistant.sum().clamp(min=1)
         loss = (loss_tok * assistant).sum() / n_assistant  # what the curve shows
+        total = (loss_tok * weight).sum() / n_assistant
         # the rest of the conversation is learned too, at a lower weight: predicting the user's words and the
         # repeated tool names teaches the attention to look back and copy, which the assistant turns need
-        total = (loss_tok * weight).sum() / n_assistant
         total = total + args.context_weight * (loss_tok * context).sum() / context.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         total.backward()
