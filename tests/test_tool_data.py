@@ -21,7 +21,7 @@ from tool_data_pool import (
     WRAPPERS_TRAIN,
     build_tools,
 )
-from train_tiny_chat import encode_conversation
+from train_tiny_chat import encode_conversation, learn_corpus_ranks
 
 from kserve.chat import parse_tool_output, render_prompt
 
@@ -101,3 +101,12 @@ def test_calls_are_schema_valid_and_render_as_k2_parses_them(split):
                             continue
                         if not isinstance(leaf, bool):
                             assert str(leaf) in user, (leaf, user)
+
+
+def test_the_embedded_models_tokenizer_is_learned_from_these_conversations():
+    """The shipped tiktoken.model is the project's own output, rebuilt here byte for byte: the BPE that
+    train_tiny_chat.py learns from the first 3,000 training conversations (seed 0), not K2's file."""
+    from kserve.tiny import embedded_model_dir, tiktoken_model_text
+
+    ranks = learn_corpus_ranks(generate(0, 3000), 4096)
+    assert (embedded_model_dir() / "tiktoken.model").read_text() == tiktoken_model_text(ranks)
