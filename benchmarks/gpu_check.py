@@ -7,12 +7,14 @@ Stages (each bounded in iterations and in time; a stage or row that cannot run r
 "skipped: <reason>" or "error: <message>" and the rest go on):
 1. env: GPU, memory, torch / Triton / flash-attn versions; measured device copy bandwidth and bf16
    GEMM rate (the limits the later stages are compared with).
-2. correctness: block-FP8 GEMM (and its activation quantization), fused MoE, MLA decode (bf16 and FP8
-   cache) and prefill attention, each against its torch reference at K2 sizes, with real
+2. correctness: block-FP8 GEMM (and its activation quantization), fused MoE (FP8 and W4A16), MLA decode
+   (bf16 and FP8 cache) and prefill attention, each against its torch reference at K2 sizes, with real
    float8_e4m3fn and bf16 tensors.
 3. kernel_speed: MLA decode in GB/s against copy bandwidth; the fused MoE for one rank's share of K2
-   (48 of 384 experts) against its weight-bytes floor and a per-expert loop; the block-FP8 GEMM
-   against torch._scaled_mm and bf16 matmul.
+   (48 of 384 experts) against its weight-bytes floor and a per-expert loop; the W4A16 MoE (INT4 experts,
+   K2.6's group of 32) against its packed-bytes floor at H200's 4.8 TB/s and against dequantizing the hit
+   experts to bf16 and running the bf16 fused MoE; the block-FP8 GEMM against torch._scaled_mm and bf16
+   matmul.
 4. decode_step: a 4-layer model at K2 width as rank 0 of 8 sees it (random FP8 weights, collectives
    off), at batch 1 / 64 / 256, eager and CUDA graph, against its bandwidth floor.
 5. serve_bench: `kserve serve` on the embedded tiny model, concurrency 1 and 16, CUDA graphs on and off.
@@ -56,6 +58,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 K2_CONFIG = REPO_ROOT / "configs" / "kimi-k2-instruct.json"
 STAGES = ("env", "correctness", "kernel_speed", "decode_step", "serve_bench")
 # (name, N, K) of K2's FP8 linears as one TP8 rank holds them: attention projections and the dense MLP
+K2_INT4_GROUP = 32  # K2-Thinking / K2.5 / K2.6 routed experts: pack-quantized INT4, one bf16 scale per 32 inputs
+H200_HBM_GBPS = 4800.0  # nominal HBM3e bandwidth: the W4A16 MoE's packed-bytes floor on the GPU
 K2_GEMM_SHAPES = (
     ("q_a_proj", 1536, 7168), ("kv_a_proj_with_mqa", 576, 7168), ("q_b_proj", 1536, 1536),
     ("o_proj", 7168, 1024), ("dense gate_up", 4608, 7168), ("dense down", 7168, 2304),
@@ -107,8 +111,8 @@ class Plan:
     def gpu() -> Plan:
         return Plan(
             dry_run=False, device="cuda",
-            # 410 s in all; a stage may overrun its budget by one row
-            budgets_s={"env": 20, "correctness": 60, "kernel_speed": 110, "decode_step": 100, "serve_bench": 120},
+            # 455 s in all; a stage may overrun its budget by one row
+            budgets_s={"env": 20, "correctness": 75, "kernel_speed": 140, "decode_step": 100, "serve_bench": 120},
             iters=20, warmup=3, copy_bytes=1 << 30, gemm_square=8192,
             gemm_shapes=list(K2_GEMM_SHAPES), gemm_tokens=[1, 64, 256], correct_tokens=[1, 64],
             gemm_speed_shapes=list(K2_GEMM_SHAPES),
@@ -233,6 +237,18 @@ def random_fp8_weight(shape: tuple[int, ...], plan: Plan, gen: torch.Generator |
     if container != torch.float8_e4m3fn:
         q = q.float().to(container)
     return q, scale.float()
+
+
+def random_int4_experts(shape: tuple[int, ...], plan: Plan,
+                        gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random pack-quantized INT4 weight [..., N, K]: int32 words [..., N, K/8] (any word is eight valid
+    nibbles) and bf16 scales [..., N, K/32] giving a real weight of about unit variance per output (uniform
+    q in [-8, 7] has a standard deviation of about 4.6)."""
+    torch = _torch()
+    *lead, n, k = shape
+    packed = torch.randint(-(2**31), 2**31, (*lead, n, k // 8), dtype=torch.int32, device=plan.device, generator=gen)
+    scale = (0.5 + torch.rand((*lead, n, k // K2_INT4_GROUP), device=plan.device, generator=gen)) / (4.6 * math.sqrt(k))
+    return packed, scale.bfloat16()
 
 
 def rel_error(got, want) -> tuple[float, float]:
@@ -406,6 +422,32 @@ def check_fused_moe(plan: Plan) -> list[Row]:
                 f"rel <= {tol:g}", _verdict(rel, tol), {"rel": rel, "max_abs": mx})]
 
 
+def check_w4a16_moe(plan: Plan) -> list[Row]:
+    torch = _torch()
+    mod, why = import_or_skip("kserve.kernels.fused_moe_w4a16", ["fused_moe_w4a16_torch", "fused_moe_w4a16_triton"])
+    if mod is None:
+        return [Row("correctness", "W4A16 MoE", "-", status=why)]
+    gen = torch.Generator(device=plan.device).manual_seed(6)
+    tokens = plan.correct_tokens[-1]
+    e, h, i = plan.moe_experts_local, plan.moe_hidden, plan.moe_intermediate
+    w13, s13 = random_int4_experts((e, 2 * i, h), plan, gen)
+    w2, s2 = random_int4_experts((e, h, i), plan, gen)
+    x = torch.randn(tokens, h, device=plan.device, generator=gen).to(act_dtype(plan))
+    ids, weights = _routing(plan, tokens, gen)
+    if not bool((ids[0] < e).any()):
+        ids[0, 0] = 0  # at least one pair on this rank
+    args = (x, w13, w2, weights, ids, 0, s13, s2, K2_INT4_GROUP)
+    want = mod.fused_moe_w4a16_torch(*args)
+    got = mod.fused_moe_w4a16_triton(*args)
+    rel, mx = rel_error(got.float(), want.float())
+    # Both use the exact weights with fp32 sums; on the GPU h and the output are bf16 (2^-9 relative).
+    tol = 1e-4 if plan.dry_run else 1e-2
+    local_pairs = int((ids < e).sum().item())
+    return [Row("correctness", f"W4A16 MoE T={tokens} E={e}/{plan.moe_experts_total} H={h} I={i} "
+                f"G={K2_INT4_GROUP}", f"rel {rel:.2e} ({local_pairs} local pairs)", f"rel <= {tol:g}",
+                _verdict(rel, tol), {"rel": rel, "max_abs": mx})]
+
+
 def _mla_cache(plan: Plan, num_blocks: int, fp8: bool, gen: torch.Generator) -> torch.Tensor:
     torch = _torch()
     width = plan.mla_latent + plan.mla_rope
@@ -489,7 +531,8 @@ def check_prefill_attention(plan: Plan) -> list[Row]:
 def stage_correctness(plan: Plan, budget: Budget, limits: dict[str, float]) -> tuple[list[Row], dict[str, Any]]:
     rows: list[Row] = []
     for item, fn in (("block-FP8 GEMM", check_fp8_gemm), ("fused MoE", check_fused_moe),
-                     ("MLA decode", check_mla_decode), ("prefill attention", check_prefill_attention)):
+                     ("W4A16 MoE", check_w4a16_moe), ("MLA decode", check_mla_decode),
+                     ("prefill attention", check_prefill_attention)):
         guarded("correctness", item, rows, budget, lambda fn=fn: fn(plan))
         release(plan.device)
     return rows, {}
@@ -593,6 +636,63 @@ def speed_moe(plan: Plan, limits: dict[str, float], budget: Budget) -> list[Row]
     return rows
 
 
+def _dequantize_then_dense_moe(x, w13, s13, w2, s2, ids, weights, touched: list[int], dense13, dense2, fused_moe):
+    """The baseline the W4A16 kernels replace: dequantize the hit experts' INT4 weights into bf16 buffers,
+    then run the bf16 fused MoE (which reads only the hit experts)."""
+    from kserve.kernels.int4_pack import dequantize_int4
+
+    for e in touched:
+        dense13[e] = dequantize_int4(w13[e], s13[e], K2_INT4_GROUP, dense13.dtype)
+        dense2[e] = dequantize_int4(w2[e], s2[e], K2_INT4_GROUP, dense2.dtype)
+    return fused_moe(x, dense13, dense2, weights, ids, 0)
+
+
+def speed_w4a16_moe(plan: Plan, limits: dict[str, float], budget: Budget) -> list[Row]:
+    torch = _torch()
+    mod, why = import_or_skip("kserve.kernels.fused_moe_w4a16", ["fused_moe_w4a16"])
+    dense, dense_why = import_or_skip("kserve.kernels.fused_moe", ["fused_moe"])
+    if mod is None or dense is None:
+        return [Row("kernel_speed", "W4A16 MoE", "-", status=why or dense_why)]
+    gen = torch.Generator(device=plan.device).manual_seed(7)
+    e, h, i = plan.moe_experts_local, plan.moe_hidden, plan.moe_intermediate
+    w13, s13 = random_int4_experts((e, 2 * i, h), plan, gen)
+    w2, s2 = random_int4_experts((e, h, i), plan, gen)
+    dense13 = torch.zeros(e, 2 * i, h, dtype=act_dtype(plan), device=plan.device)
+    dense2 = torch.zeros(e, h, i, dtype=act_dtype(plan), device=plan.device)
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * 4 + (s13[0].numel() + s2[0].numel()) * s13.element_size()
+    # The floor is the packed bytes of the hit experts at the HBM's nominal rate (measured copy on the CPU).
+    peak_gbps = limits["copy_gbps"] if plan.dry_run else H200_HBM_GBPS
+    rows = []
+    for t in plan.moe_tokens:
+        if budget.spent():
+            rows.append(Row("kernel_speed", f"W4A16 MoE T={t}", "-", status="skipped: stage time budget spent"))
+            continue
+        x = torch.randn(t, h, device=plan.device, generator=gen).to(act_dtype(plan))
+        routings = []
+        while len(routings) < rotations(plan, (routings and len(routings[0][2]) or 1) * expert_bytes):
+            ids, weights = _routing(plan, t, gen)
+            if not bool((ids < e).any()):
+                ids[0, 0] = 0
+            routings.append((ids, weights, torch.unique(ids[ids < e]).tolist()))
+        hit = sum(len(r[2]) for r in routings) / len(routings)
+        floor_ms = hit * expert_bytes / (peak_gbps * 1e6)
+        ms = time_ms([partial(mod.fused_moe_w4a16, x, w13, w2, w, ids, 0, s13, s2, K2_INT4_GROUP)
+                      for ids, w, _ in routings], plan)
+        base_ms = time_ms([partial(_dequantize_then_dense_moe, x, w13, s13, w2, s2, ids, w, touched, dense13, dense2,
+                                   dense.fused_moe) for ids, w, touched in routings],
+                          plan, iters=max(1, plan.iters // 4))
+        ratio = ms / floor_ms if floor_ms else float("nan")
+        rows.append(Row("kernel_speed", f"W4A16 MoE T={t} G={K2_INT4_GROUP} ({hit:.1f} of {e} local experts hit)",
+                        f"{ms:.3f} ms = {ratio:.2f}x packed floor ({peak_gbps:.0f} GB/s); "
+                        f"dequant+bf16/fused {base_ms / ms:.2f}x",
+                        "near the packed-bytes floor; faster than dequantize + bf16 MoE",
+                        "ok" if base_ms >= ms else "below goal",
+                        {"ms": ms, "floor_ms": floor_ms, "x_floor": ratio, "dequant_bf16_ms": base_ms,
+                         "experts_hit": hit, "expert_bytes": expert_bytes}))
+    del dense13, dense2
+    return rows
+
+
 def scaled_mm_block_layout(xq, xs, wq, ws, want) -> tuple[Callable | None, str]:
     """How to lay out 1x128 activation and 128x128 weight block scales for torch._scaled_mm so that this
     torch/GPU accepts them and reproduces `want` (the layouts it wants differ between versions):
@@ -687,7 +787,8 @@ def stage_kernel_speed(plan: Plan, budget: Budget, limits: dict[str, float]) -> 
     rows: list[Row] = []
     if "copy_gbps" not in limits:
         return [Row("kernel_speed", "all", "-", status="skipped: no limits from the env stage")], {}
-    for item, fn in (("MLA decode", speed_mla), ("fused MoE", speed_moe), ("block-FP8 GEMM", speed_fp8_gemm)):
+    for item, fn in (("MLA decode", speed_mla), ("fused MoE", speed_moe), ("W4A16 MoE", speed_w4a16_moe),
+                     ("block-FP8 GEMM", speed_fp8_gemm)):
         guarded("kernel_speed", item, rows, budget, lambda fn=fn: fn(plan, limits, budget))
         release(plan.device)
     return rows, {}
@@ -764,8 +865,8 @@ def stage_decode_step(plan: Plan, budget: Budget, limits: dict[str, float]) -> t
     parallel = parallel.without_collectives()
     kwargs: dict[str, Any] = {"dtype": act_dtype(plan) if not plan.dry_run else torch.float32, "device": plan.device}
     params = inspect.signature(mod.KimiK2ForCausalLM.__init__).parameters
-    if "weights" in params:
-        kwargs["weights"] = "fp8"
+    if "weights" in params:  # the stored (FP8) weights
+        kwargs["weights"] = "quantized"
     elif "keep_fp8" in params:
         kwargs["keep_fp8"] = True
     t0 = time.perf_counter()

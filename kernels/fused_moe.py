@@ -96,6 +96,29 @@ class MoeShape:
         return self.tokens * self.top_k
 
 
+def check_activations(x: torch.Tensor) -> tuple[int, int]:
+    """x must be a 2-D float tensor [T, H]; returns (T, H)."""
+    if x.dim() != 2 or not x.is_floating_point() or x.dtype == FP8_DTYPE:
+        raise ValueError(f"x must be a 2-D float tensor [T, H], got {x.dtype} of shape {tuple(x.shape)}")
+    return int(x.shape[0]), int(x.shape[1])
+
+
+def check_routing_args(tokens: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int) -> int:
+    """topk_ids [T, k] integer GLOBAL ids, topk_weights [T, k] float, first_expert >= 0; returns k."""
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids shape {tuple(topk_ids.shape)} must be [T, k] with T = {tokens}, k >= 1")
+    if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
+        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.is_floating_point():
+        raise ValueError(
+            f"topk_weights must be a float tensor shaped like topk_ids {tuple(topk_ids.shape)}, "
+            f"got {topk_weights.dtype} of shape {tuple(topk_weights.shape)}"
+        )
+    if not isinstance(first_expert, int) or first_expert < 0:
+        raise ValueError(f"first_expert must be a non-negative int, got {first_expert!r}")
+    return int(topk_ids.shape[1])
+
+
 def check_fused_moe_args(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -107,9 +130,7 @@ def check_fused_moe_args(
     w2_scale: torch.Tensor | None,
     block: tuple[int, int],
 ) -> MoeShape:
-    if x.dim() != 2 or not x.is_floating_point() or x.dtype == FP8_DTYPE:
-        raise ValueError(f"x must be a 2-D float tensor [T, H], got {x.dtype} of shape {tuple(x.shape)}")
-    tokens, hidden = x.shape
+    tokens, hidden = check_activations(x)
     if w13.dim() != 3:
         raise ValueError(f"w13 must be [E_local, 2I, H], got shape {tuple(w13.shape)}")
     experts, two_inter, w13_hidden = w13.shape
@@ -122,17 +143,7 @@ def check_fused_moe_args(
     inter = two_inter // 2
     if w2.dim() != 3 or tuple(w2.shape) != (experts, hidden, inter):
         raise ValueError(f"w2 shape {tuple(w2.shape)} != (E_local, H, I) = {(experts, hidden, inter)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_ids.shape[1] < 1:
-        raise ValueError(f"topk_ids shape {tuple(topk_ids.shape)} must be [T, k] with T = {tokens}, k >= 1")
-    if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
-        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
-    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.is_floating_point():
-        raise ValueError(
-            f"topk_weights must be a float tensor shaped like topk_ids {tuple(topk_ids.shape)}, "
-            f"got {topk_weights.dtype} of shape {tuple(topk_weights.shape)}"
-        )
-    if not isinstance(first_expert, int) or first_expert < 0:
-        raise ValueError(f"first_expert must be a non-negative int, got {first_expert!r}")
+    top_k = check_routing_args(tokens, topk_weights, topk_ids, first_expert)
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError("pass both w13_scale and w2_scale (FP8 weights) or neither (dense weights)")
     if w13_scale is None:
@@ -160,7 +171,7 @@ def check_fused_moe_args(
         for name, w in (("w13", w13), ("w2", w2)):
             if w.dtype not in (FP8_DTYPE, torch.float32, torch.float16, torch.bfloat16):
                 raise ValueError(f"{name} dtype {w.dtype} is not float8_e4m3fn (or a float container of fp8 values)")
-    return MoeShape(tokens, hidden, inter, experts, int(topk_ids.shape[1]))
+    return MoeShape(tokens, hidden, inter, experts, top_k)
 
 
 # --- torch reference / CPU path ---------------------------------------------------------------------------
@@ -231,6 +242,34 @@ def _use_gather_strategy(shape: MoeShape, quantized: bool) -> bool:
     return False
 
 
+def local_expert_ids(topk_ids: torch.Tensor, first_expert: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (token, slot) pair p = t * k + j: (local expert id [P] int64, whether this rank owns it [P])."""
+    local = topk_ids.reshape(-1).long() - first_expert
+    return local, (local >= 0) & (local < num_experts)
+
+
+def sort_pairs_by_expert(
+    local: torch.Tensor, is_local: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [P], offsets [E] int32) for torch._grouped_mm: pairs sorted by local expert, stably, with
+    remote pairs (key E) after every local segment, past the last offset; offsets[e] = end of expert e's
+    segment = number of keys <= e."""
+    key = torch.where(is_local, local, num_experts)
+    sorted_key, order = torch.sort(key, stable=True)
+    arange = torch.arange(num_experts, device=local.device)
+    return order, torch.searchsorted(sorted_key, arange, right=True, out_int32=True)
+
+
+def combine_top_k(
+    y: torch.Tensor, is_local: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Per-pair outputs y [T*k, H] -> [T, H]: remote pairs exactly zero (whatever y holds there), the
+    routing weight applied in fp32, the top-k summed in fp32, one cast to `dtype`."""
+    tokens, top_k = topk_weights.shape
+    weighted = torch.where(is_local[:, None], y.float(), 0.0) * topk_weights.reshape(-1, 1).float()
+    return weighted.view(tokens, top_k, y.shape[-1]).sum(1).to(dtype)
+
+
 def fused_moe_torch(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -264,9 +303,7 @@ def fused_moe_torch(
     pairs = shape.num_pairs
     if pairs == 0:
         return x.new_zeros(tokens, hidden)
-    device = x.device
-    local = topk_ids.reshape(pairs).long() - first_expert
-    is_local = (local >= 0) & (local < experts)
+    local, is_local = local_expert_ids(topk_ids, first_expert, experts)
     a = _quantized_activation(x, block[1]) if quantized else x
 
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -286,11 +323,7 @@ def fused_moe_torch(
         h = silu_mul(torch.bmm(w13_p, a_p).squeeze(-1))
         y = torch.bmm(w2_p, h.to(compute_dtype).unsqueeze(-1)).squeeze(-1)  # [P, H]
     else:
-        # Remote pairs get key E and sort after every local segment, past the last offset.
-        key = torch.where(is_local, local, experts)
-        sorted_key, order = torch.sort(key, stable=True)
-        # offsets[e] = end of expert e's segment = number of keys <= e.
-        offsets = torch.searchsorted(sorted_key, torch.arange(experts, device=device), right=True, out_int32=True)
+        order, offsets = sort_pairs_by_expert(local, is_local, experts)
         if quantized:
             w13_all = _dequantize_experts(w13, w13_scale, block)
             w2_all = _dequantize_experts(w2, w2_scale, block)
@@ -300,8 +333,7 @@ def fused_moe_torch(
         h = silu_mul(torch._grouped_mm(a_sorted, w13_all.transpose(1, 2), offs=offsets))
         y_sorted = torch._grouped_mm(h.to(compute_dtype), w2_all.transpose(1, 2), offs=offsets)
         y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
-    weighted = torch.where(is_local[:, None], y.float(), 0.0) * topk_weights.reshape(pairs, 1).float()
-    return weighted.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+    return combine_top_k(y, is_local, topk_weights, x.dtype)
 
 
 # --- device-side routing prep -----------------------------------------------------------------------------
