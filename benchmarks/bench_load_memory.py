@@ -8,7 +8,7 @@ reports both peaks:
 - device (CUDA only): torch's peak allocation over the allocation before loading; bound = the
   model's bytes + the largest tensor in flight.
 
-    python benchmarks/bench_load_memory.py [--weights fp8|dequantized] [--device cuda] [--dir DIR]
+    python benchmarks/bench_load_memory.py [--weights quantized|dequantized] [--device cuda] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def measure(model_dir: str, weights: str, device: str) -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", choices=["fp8", "dequantized"], default="fp8")
+    parser.add_argument("--weights", choices=["quantized", "dequantized"], default="quantized")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dir", default=None, help="an existing checkpoint (default: write a larger tiny one)")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # child process

@@ -34,9 +34,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="constrain tool-call sections under tool_choice=auto")
     p.add_argument("--skip-self-check", action="store_true")
     p.add_argument("--enable-reasoning", action="store_true",
-                   help="split a leading <think>...</think> into reasoning_content")
+                   help="split a leading <think>...</think> into reasoning_content for templates that do not prefill "
+                        "<think> (K2.5+ templates that do are parsed without it)")
     p.add_argument("--legacy-prompt-encoding", action="store_true",
                    help="encode the whole rendered prompt with special tokens allowed (unsafe)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="end every chat completions stream with usage, as stream_options.include_usage asks "
+                        "(vLLM's flag)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024,
                    help="reject request bodies larger than this with 413")
@@ -63,7 +67,8 @@ def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny", help="write a tiny random checkpoint in Kimi K2's published layout")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--variant", choices=["k2", "v3"], default="k2")
+    p.add_argument("--variant", choices=["k2", "v3", "k25"], default="k2",
+                   help="k2: K2-Instruct (block FP8); v3: DeepSeek-V3 routing; k25: K2.6 (kimi_k25 wrapper, INT4 experts)")
     p.add_argument("--geometry", choices=["k2", "small"], default="k2",
                    help="attention widths: K2's (qk_nope 128, rope 64, v 128, kv_lora 512) or the older small ones")
 
@@ -72,6 +77,8 @@ def _add_render(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("render", help="print the exact prompt for an OpenAI chat request read from stdin")
     p.add_argument("model_dir", nargs="?", default=None)
     p.add_argument("--ids", action="store_true", help="also print the prompt token ids")
+    p.add_argument("--jsonl", action="store_true",
+                   help="one request per stdin line; one JSON object per line: {prompt} (+ ids), or {error}")
     p.add_argument("--chat-template", default=None)
     p.add_argument("--legacy-prompt-encoding", action="store_true")
 

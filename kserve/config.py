@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3", "kimi_k25")
+# Multimodal wrappers whose text model sits under `text_config` and whose text tensors carry a prefix.
+_WRAPPER_TEXT_PREFIX = {"kimi_k25": "language_model."}
+# The chat dialect (kserve.chat.dialect) of a checkpoint that ships no template: K2.5 / K2.6 / K2.7-Code share
+# the kimi_k25 wrapper (K2.6's format stands for them), K2-Thinking is kimi_k2 with INT4 experts.
+CHAT_DIALECT_KIMI_K25 = "k2.6"
+CHAT_DIALECT_K2_THINKING = "k2-thinking"
+CHAT_DIALECT_K2 = "k2"
+VISION_TENSOR_PREFIXES = ("vision_tower.", "mm_projector.")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -27,7 +36,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """FP8 block quantization, as in config.json's `quantization_config`."""
+    """FP8 block quantization, as in config.json's `quantization_config` (K2-Instruct, DeepSeek-V3)."""
 
     quant_method: str = "fp8"
     fmt: str = "e4m3"
@@ -50,6 +59,97 @@ class QuantConfig:
             raise ValueError(
                 f"quantization_config.activation_scheme {self.activation_scheme!r} is not supported: expected 'dynamic'"
             )
+
+
+# Module names a K2 INT4 checkpoint must keep in bf16 (its `ignore` list has to match each): kserve runs INT4
+# on routed experts only.
+_BF16_MODULE_EXAMPLES = (
+    "lm_head",
+    "model.layers.1.self_attn.q_a_proj",
+    "model.layers.1.self_attn.kv_b_proj",
+    "model.layers.1.mlp.shared_experts.down_proj",
+    "model.layers.0.mlp.gate_proj",
+)
+_INT4_MODULE_EXAMPLE = "model.layers.1.mlp.experts.0.gate_proj"
+INT4_GROUP_SIZE = 32
+SUPPORTED_QUANTIZATION = (
+    "FP8 e4m3 in 128x128 blocks (quant_method 'fp8'), or compressed-tensors 'pack-quantized' INT4 "
+    f"routed experts (4-bit symmetric int weights, strategy 'group', group_size {INT4_GROUP_SIZE}, no activation "
+    "quantization)"
+)
+
+
+@dataclass(frozen=True)
+class Int4ExpertQuant:
+    """compressed-tensors `pack-quantized` W4A16 routed experts (K2-Thinking, K2.5, K2.6, K2.7-Code).
+
+    Everything else stays bf16. Built only through `from_compressed_tensors`, which refuses any other scheme."""
+
+    group_size: int = INT4_GROUP_SIZE
+    ignore: tuple[str, ...] = ()
+
+    @staticmethod
+    def _refuse(field_name: str, value: Any, expected: str) -> ValueError:
+        return ValueError(
+            f"quantization_config.{field_name} = {value!r} is not supported (expected {expected}); "
+            f"kserve supports {SUPPORTED_QUANTIZATION}"
+        )
+
+    @classmethod
+    def from_compressed_tensors(cls, raw: dict[str, Any]) -> "Int4ExpertQuant":
+        fmt = raw.get("format")
+        if fmt != "pack-quantized":
+            raise cls._refuse("format", fmt, "'pack-quantized'")
+        groups = raw.get("config_groups") or {}
+        if len(groups) != 1:
+            raise cls._refuse("config_groups", sorted(groups), "exactly one group")
+        (name, group), = groups.items()
+        where = f"config_groups.{name}"
+        weights = group.get("weights") or {}
+        for key, expected in (("num_bits", 4), ("type", "int"), ("symmetric", True), ("strategy", "group"),
+                              ("group_size", INT4_GROUP_SIZE), ("dynamic", False)):
+            if weights.get(key, expected) != expected:
+                raise cls._refuse(f"{where}.weights.{key}", weights.get(key), repr(expected))
+        if weights.get("actorder"):
+            raise cls._refuse(f"{where}.weights.actorder", weights["actorder"], "null (no activation reordering)")
+        for key in ("input_activations", "output_activations"):
+            if group.get(key):
+                raise cls._refuse(f"{where}.{key}", group[key], "null (weight-only W4A16)")
+        if raw.get("kv_cache_scheme"):
+            raise cls._refuse("kv_cache_scheme", raw["kv_cache_scheme"], "null")
+        quant = cls(group_size=INT4_GROUP_SIZE, ignore=tuple(raw.get("ignore") or ()))
+        kept = [m for m in _BF16_MODULE_EXAMPLES if not quant.ignores(m)]
+        if kept or quant.ignores(_INT4_MODULE_EXAMPLE):
+            raise cls._refuse(
+                "ignore", list(quant.ignore),
+                "a list that keeps attention, shared experts, dense MLPs and lm_head in bf16 and quantizes routed "
+                f"experts (it {'quantizes ' + kept[0] if kept else 'leaves the routed experts unquantized'})",
+            )
+        return quant
+
+    def ignores(self, module: str) -> bool:
+        """compressed-tensors' matching: `re:` patterns by re.match, other entries by exact name."""
+        return any(
+            re.match(p[3:], module) if p.startswith("re:") else p == module for p in self.ignore
+        )
+
+
+def parse_quantization_config(raw: dict[str, Any] | None) -> QuantConfig | Int4ExpertQuant | None:
+    """The checkpoint's quantization, or a ValueError naming the field and value and what is supported."""
+    if not raw:
+        return None
+    method = raw.get("quant_method")
+    if method == "compressed-tensors":
+        return Int4ExpertQuant.from_compressed_tensors(raw)
+    if method in ("fp8", None):  # early DeepSeek-V3 configs name no method
+        q_known = {f.name for f in fields(QuantConfig)}
+        q = {k: v for k, v in raw.items() if k in q_known}
+        if "weight_block_size" in q:
+            q["weight_block_size"] = tuple(q["weight_block_size"])
+        return QuantConfig(**q)
+    raise ValueError(
+        f"quantization_config.quant_method = {method!r} is not supported; kserve supports {SUPPORTED_QUANTIZATION}"
+    )
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:
@@ -96,7 +196,23 @@ class ModelConfig:
     eos_token_id: int | None = 163585
     num_nextn_predict_layers: int = 0
     torch_dtype: str = "bfloat16"
-    quantization_config: QuantConfig | None = None
+    quantization_config: QuantConfig | Int4ExpertQuant | None = None
+    # Where the text model's tensors sit in the checkpoint ("language_model." in a kimi_k25 wrapper).
+    weight_prefix: str = ""
+    # The family member's chat format when the checkpoint ships no chat template (a shipped one decides itself).
+    chat_dialect: str = CHAT_DIALECT_K2
+
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """The FP8 weight block when the checkpoint is block FP8, else None."""
+        q = self.quantization_config
+        return tuple(q.weight_block_size) if isinstance(q, QuantConfig) else None
+
+    @property
+    def int4_group_size(self) -> int | None:
+        """The INT4 group of the routed experts when they are pack-quantized INT4, else None."""
+        q = self.quantization_config
+        return q.group_size if isinstance(q, Int4ExpertQuant) else None
 
     @property
     def qk_head_dim(self) -> int:
@@ -124,13 +240,27 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """A K2 / DeepSeek-V3 config.json, or a kimi_k25 wrapper's: its text model from `text_config`, the
+        quantization config wherever it sits, EOS from the wrapper (K2.6: <|im_end|>)."""
         model_type = raw.get("model_type", "kimi_k2")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; expected one of {SUPPORTED_MODEL_TYPES}"
             )
+        weight_prefix = _WRAPPER_TEXT_PREFIX.get(model_type, "")
+        if weight_prefix:
+            text = raw.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError(f"a {model_type} config.json needs its text model under 'text_config'")
+            quant = text.get("quantization_config") or raw.get("quantization_config")
+            wrapper_keys = ("eos_token_id", "bos_token_id", "tie_word_embeddings")
+            raw = {**text, **{k: raw[k] for k in wrapper_keys if k in raw}, "model_type": model_type}
+        else:
+            quant = raw.get("quantization_config")
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {k: v for k, v in raw.items() if k in known}
+        if "torch_dtype" not in raw and isinstance(raw.get("dtype"), str):  # transformers >= 4.56 writes `dtype`
+            kwargs["torch_dtype"] = raw["dtype"]
         rope = raw.get("rope_scaling")
         if rope:
             rope = dict(rope)
@@ -139,15 +269,12 @@ class ModelConfig:
             kwargs["rope_scaling"] = RopeScaling(**{k: v for k, v in rope.items() if k in rope_known})
         else:
             kwargs["rope_scaling"] = None
-        quant = raw.get("quantization_config")
-        if quant:
-            q_known = {f.name for f in fields(QuantConfig)}
-            q = {k: v for k, v in quant.items() if k in q_known}
-            if "weight_block_size" in q:
-                q["weight_block_size"] = tuple(q["weight_block_size"])
-            kwargs["quantization_config"] = QuantConfig(**q)
-        else:
-            kwargs["quantization_config"] = None
+        kwargs["quantization_config"] = parse_quantization_config(quant)
+        kwargs["weight_prefix"] = weight_prefix
+        if weight_prefix:
+            kwargs["chat_dialect"] = CHAT_DIALECT_KIMI_K25
+        elif isinstance(kwargs["quantization_config"], Int4ExpertQuant):
+            kwargs["chat_dialect"] = CHAT_DIALECT_K2_THINKING
         return cls(**kwargs)
 
     @classmethod

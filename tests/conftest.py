@@ -29,6 +29,12 @@ def tiny_v3_dir(tmp_path_factory) -> Path:
     return _make_tiny(tmp_path_factory.mktemp("tiny") / "v3", "v3")
 
 
+@pytest.fixture(scope="session")
+def tiny_k25_dir(tmp_path_factory) -> Path:
+    """K2.6's published layout: kimi_k25 wrapper, INT4 routed experts, `language_model.` names."""
+    return _make_tiny(tmp_path_factory.mktemp("tiny") / "k25", "k25")
+
+
 @pytest.fixture(scope="module")
 def server():
     """A live server over the embedded tiny K2 model, one per test module; a module needing other settings

@@ -32,10 +32,10 @@ def test_a_host_read_is_caught() -> None:
         trace_fullgraph(reads_back, torch.ones(3))
 
 
-@pytest.fixture(scope="module")
-def decode_setup(tiny_k2_dir):
-    pytest.importorskip("kserve.kernels.fused_moe", reason="the MoE still loops over experts on the host without it")
-    model = load_model(tiny_k2_dir)
+@pytest.fixture(scope="module", params=["k2", "k25"])
+def decode_setup(request):
+    """The FP8 model and K2.6's INT4-expert model."""
+    model = load_model(request.getfixturevalue(f"tiny_{request.param}_dir"))
     c = model.config
     cache = torch.zeros(c.num_hidden_layers, 16, BLOCK, c.kv_cache_dim)
     prompts = [torch.arange(3, 3 + 17), torch.arange(40, 40 + 5), torch.arange(100, 100 + 33)]
@@ -86,11 +86,19 @@ def test_padding_rows_trace_and_give_finite_outputs(decode_setup) -> None:
     # (padded against unpadded numbers: tests/test_decode_path.py, with dequantized weights)
 
 
-def test_the_old_per_expert_loop_would_fail(decode_setup, monkeypatch) -> None:
+def test_a_host_read_in_the_moe_would_fail(decode_setup, monkeypatch) -> None:
+    """A MoE that reads its routing on the host (as a per-expert loop's unique().tolist() does) breaks the trace."""
     import kserve.layers.moe as moe
 
     model, cache, batch = decode_setup
-    monkeypatch.setattr(moe, "_fused_moe", None)  # the pre-kernel loop: unique().tolist() per layer
+    name = "fused_moe_w4a16" if model.config.int4_group_size else "fused_moe"
+    real = getattr(moe, name)
+
+    def reads_routing(x, w13, w2, weights, ids, *rest):
+        torch.unique(ids).tolist()
+        return real(x, w13, w2, weights, ids, *rest)
+
+    monkeypatch.setattr(moe, name, reads_routing)
 
     def decode_step(ids, batch, cache):
         return model.compute_logits(model(ids, batch, cache))

@@ -31,7 +31,7 @@ def k2(tiny_k2_dir):
     return load_model(tiny_k2_dir, weights="dequantized"), build_hf_reference(tiny_k2_dir)
 
 
-@pytest.mark.parametrize("variant", ["k2", "v3"])
+@pytest.mark.parametrize("variant", ["k2", "v3", "k25"])
 def test_prefill_parity(variant, request):
     model_dir = request.getfixturevalue(f"tiny_{variant}_dir")
     model, hf = load_model(model_dir, weights="dequantized"), build_hf_reference(model_dir)
@@ -47,10 +47,14 @@ def test_prefill_parity(variant, request):
     assert err <= 1e-4
 
 
-@pytest.mark.parametrize("variant", ["k2", "v3"])
-def test_decode_parity_32_steps(variant, request):
+@pytest.mark.parametrize(("variant", "weights"), [("k2", "dequantized"), ("v3", "dequantized"), ("k25", "quantized")])
+def test_decode_parity_32_steps(variant, weights, request):
+    """K2.6's INT4 experts run packed (W4A16: activations are not quantized, so in fp32 they compute what
+    transformers computes on the dequantized weights)."""
     model_dir = request.getfixturevalue(f"tiny_{variant}_dir")
-    model, hf = load_model(model_dir, weights="dequantized"), build_hf_reference(model_dir)
+    model, hf = load_model(model_dir, weights=weights), build_hf_reference(model_dir)
+    if variant == "k25":
+        assert model.model.layers[1].mlp.experts.gate_up_proj_packed.dtype == torch.int32
     ids = prompt(20, seed=2)
     cache = empty_cache(model)
     logits = model.compute_logits(model(ids, ForwardBatch.contiguous([20], [20], BLOCK), cache))[-1]

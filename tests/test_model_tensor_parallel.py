@@ -82,7 +82,7 @@ def test_two_rank_gloo_matches_single_process(tiny_k2_dir, tmp_path):
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is unavailable")
 def test_two_rank_gloo_fp8_path(tiny_k2_dir, tmp_path):
-    tp_logits, tp_probes = run_tp2(tiny_k2_dir, tmp_path, "fp8")
+    tp_logits, tp_probes = run_tp2(tiny_k2_dir, tmp_path, "quantized")
     model = load_model(tiny_k2_dir)
     assert model.model.layers[0].self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
     probes: dict = {}

@@ -15,14 +15,12 @@ from torch import nn
 
 from kserve.config import ModelConfig
 from kserve.distributed import ParallelState
-from kserve.kernels.fp8_dequant import dequantize_blocks, scale_shape
+from kserve.kernels.fp8_dequant import scale_shape
+from kserve.kernels.fused_moe import fused_moe
+from kserve.kernels.fused_moe_w4a16 import fused_moe_w4a16
+from kserve.kernels.int4_pack import group_scale_shape, packed_shape
 from kserve.layers.mlp import GatedMLP
 from kserve.layers.weight_loading import copy_checked
-
-try:  # H3's fused MoE (custom op kserve::fused_moe), when present
-    from kserve.kernels.fused_moe import fused_moe as _fused_moe
-except ImportError:  # pragma: no cover
-    _fused_moe = None
 
 
 class NoAuxRouter(nn.Module):
@@ -68,13 +66,19 @@ class NoAuxRouter(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """This rank's experts, stacked: gate_up_proj [E_local, 2I, H] (gate rows first), down_proj [E_local, H, I].
+    """This rank's experts, stacked: gate_up [E_local, 2I, H] (gate rows first), down [E_local, H, I], in one of
+    three storages, as the checkpoint has them:
 
-    With `quant_block` they hold the checkpoint's float8_e4m3fn values with stacked fp32 scales
-    `gate_up_proj_scale_inv` [E_local, 2I/B0, ceil(H/B1)] and `down_proj_scale_inv` [E_local, ceil(H/B0), I/B1]:
-    the layout `kserve.kernels.fused_moe` takes. Stacking gate over up keeps each half on its own scale
-    rows only when I is a multiple of the block, so that is required. Experts are never split: each
-    expert-parallel rank reads and holds whole experts [first_expert, first_expert + E_local).
+    - dense (`gate_up_proj`, `down_proj` in the model dtype);
+    - block FP8 (`quant_block`): float8_e4m3fn values plus fp32 `*_scale_inv` [E_local, rows/B0, ceil(cols/B1)],
+      the layout `kserve.kernels.fused_moe` takes; gate over up keeps each half on its own scale rows only when
+      I is a multiple of the block, so that is required;
+    - INT4 (`int4_group`): `gate_up_proj_packed` int32 [E_local, 2I, H/8] and `down_proj_packed` [E_local, H, I/8]
+      with bf16 `*_scale` [E_local, rows, cols/G], packed as the checkpoint stores them (kserve.kernels.int4_pack)
+      and run by `kserve.kernels.fused_moe_w4a16` without unpacking in memory.
+
+    Experts are never split: each expert-parallel rank reads and holds whole experts
+    [first_expert, first_expert + E_local).
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class RoutedExperts(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         quant_block: tuple[int, int] | None = None,
+        int4_group: int | None = None,
     ):
         super().__init__()
         self.first_expert, last = parallel.shard_range(config.n_routed_experts, "n_routed_experts")
@@ -93,27 +98,35 @@ class RoutedExperts(nn.Module):
         self.intermediate = inter
         self.compute_dtype = dtype
         self.block = tuple(quant_block) if quant_block is not None else None
+        self.int4_group = int4_group
         if self.block is not None and inter % self.block[0]:
             raise ValueError(
                 f"moe_intermediate_size = {inter} is not a multiple of the FP8 block {self.block[0]}: "
                 "stacked FP8 experts need whole blocks (load with weights='dequantized')"
             )
-        wdtype = torch.float8_e4m3fn if self.block else dtype
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden, dtype=wdtype, device=device), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, inter, dtype=wdtype, device=device), requires_grad=False)
-        params = [self.gate_up_proj, self.down_proj]
-        if self.block:
-            self.gate_up_proj_scale_inv = nn.Parameter(
-                torch.empty(self.num_local, *scale_shape((2 * inter, hidden), self.block), dtype=torch.float32, device=device),
-                requires_grad=False,
-            )
-            self.down_proj_scale_inv = nn.Parameter(
-                torch.empty(self.num_local, *scale_shape((hidden, inter), self.block), dtype=torch.float32, device=device),
-                requires_grad=False,
-            )
-            params += [self.gate_up_proj_scale_inv, self.down_proj_scale_inv]
-        for p in params:
+
+        def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+            p = nn.Parameter(torch.empty(self.num_local, *shape, dtype=dtype, device=device), requires_grad=False)
             p.weight_loader = self.weight_loader
+            return p
+
+        # Rows of each stored tensor that belong to the gate half of gate_up (the rest are up's).
+        self._gate_rows: dict[str, int] = {}
+        if int4_group is not None:
+            self.gate_up_proj_packed = param(*packed_shape(2 * inter, hidden), dtype=torch.int32)
+            self.down_proj_packed = param(*packed_shape(hidden, inter), dtype=torch.int32)
+            self.gate_up_proj_scale = param(*group_scale_shape(2 * inter, hidden, int4_group), dtype=torch.bfloat16)
+            self.down_proj_scale = param(*group_scale_shape(hidden, inter, int4_group), dtype=torch.bfloat16)
+            self._gate_rows = {"gate_up_proj_packed": inter, "gate_up_proj_scale": inter}
+        else:
+            wdtype = torch.float8_e4m3fn if self.block else dtype
+            self.gate_up_proj = param(2 * inter, hidden, dtype=wdtype)
+            self.down_proj = param(hidden, inter, dtype=wdtype)
+            self._gate_rows = {"gate_up_proj": inter}
+            if self.block:
+                self.gate_up_proj_scale_inv = param(*scale_shape((2 * inter, hidden), self.block), dtype=torch.float32)
+                self.down_proj_scale_inv = param(*scale_shape((hidden, inter), self.block), dtype=torch.float32)
+                self._gate_rows["gate_up_proj_scale_inv"] = inter // self.block[0]
 
     def owns(self, expert_id: int) -> bool:
         return self.first_expert <= expert_id < self.first_expert + self.num_local
@@ -123,51 +136,33 @@ class RoutedExperts(nn.Module):
         if not self.owns(expert_id):
             raise ValueError(f"expert {expert_id} is not on this rank (it holds {self.first_expert}..{self.first_expert + self.num_local - 1})")
         local = expert_id - self.first_expert
-        is_scale = param is getattr(self, "gate_up_proj_scale_inv", None) or param is getattr(self, "down_proj_scale_inv", None)
-        split = self.intermediate // self.block[0] if is_scale else self.intermediate
-        if shard_id == "gate":
+        name = next(n for n, p in self.named_parameters(recurse=False) if p is param)
+        split = self._gate_rows.get(name)
+        if shard_id == "gate" and split is not None:
             copy_checked(param.data[local, :split], loaded)
-        elif shard_id == "up":
+        elif shard_id == "up" and split is not None:
             copy_checked(param.data[local, split:], loaded)
-        elif shard_id == "down":
+        elif shard_id == "down" and split is None:
             copy_checked(param.data[local], loaded)
         else:
-            raise ValueError(f"unknown expert shard {shard_id!r}")
-
-    def _weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.block:
-            return self.gate_up_proj[e], self.down_proj[e]
-        return (
-            dequantize_blocks(self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], self.block, self.compute_dtype),
-            dequantize_blocks(self.down_proj[e], self.down_proj_scale_inv[e], self.block, self.compute_dtype),
-        )
+            raise ValueError(f"expert shard {shard_id!r} does not load into {name}")
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) over this rank's experts (others give 0).
 
-        One kserve::fused_moe call (Triton on CUDA, loop-free torch elsewhere): no host reads.
+        One custom-op call (Triton on CUDA, loop-free torch elsewhere): no host reads.
         """
-        if _fused_moe is None:  # pragma: no cover - only until kernels/fused_moe.py is present
-            return self._forward_per_expert(x, weights, ids)
+        if self.int4_group is not None:
+            return fused_moe_w4a16(
+                x, self.gate_up_proj_packed, self.down_proj_packed, weights, ids, self.first_expert,
+                self.gate_up_proj_scale, self.down_proj_scale, self.int4_group,
+            )
         if self.block:
-            return _fused_moe(
+            return fused_moe(
                 x, self.gate_up_proj, self.down_proj, weights, ids, self.first_expert,
                 self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.block,
             )
-        return _fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.first_expert)
-
-    def _forward_per_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        local_ids = ids - self.first_expert
-        for e in torch.unique(local_ids).tolist():
-            if not 0 <= e < self.num_local:
-                continue
-            token_idx, slot = torch.where(local_ids == e)
-            w_gate_up, w_down = self._weights(e)
-            gate, up = F.linear(x[token_idx], w_gate_up).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w_down)
-            out.index_put_((token_idx,), y * weights[token_idx, slot, None].to(y.dtype), accumulate=True)
-        return out
+        return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.first_expert)
 
 
 class DeepseekMoE(nn.Module):
@@ -179,11 +174,14 @@ class DeepseekMoE(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         quant_block: tuple[int, int] | None = None,
+        int4_group: int | None = None,
     ):
         super().__init__()
         self.parallel = parallel
         self.gate = NoAuxRouter(config, device=device)
-        self.experts = RoutedExperts(config, parallel, dtype=dtype, device=device, quant_block=quant_block)
+        self.experts = RoutedExperts(
+            config, parallel, dtype=dtype, device=device, quant_block=quant_block, int4_group=int4_group
+        )
         self.shared_experts = (
             GatedMLP(
                 config.hidden_size,

@@ -21,7 +21,9 @@ from kserve.layers.norm import RMSNorm
 from kserve.layers.rotary import YarnRotaryEmbedding
 from kserve.model.forward_batch import ForwardBatch
 
-WEIGHT_MODES = ("fp8", "dequantized")
+# "quantized": FP8 and INT4 tensors stay as the checkpoint stores them; "dequantized": every weight in the
+# model dtype (references, parity tests).
+WEIGHT_MODES = ("quantized", "dequantized")
 # DeepSeek's reference and transformers build the two latent norms with the default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 
@@ -146,6 +148,7 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         quant_block: tuple[int, int] | None = None,
+        int4_group: int | None = None,
     ):
         super().__init__()
         kw = {"dtype": dtype, "device": device}
@@ -153,7 +156,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAttention(config, parallel, **qkw)
         self.mlp: nn.Module
         if config.is_moe_layer(layer_idx):
-            self.mlp = DeepseekMoE(config, parallel, **qkw)
+            self.mlp = DeepseekMoE(config, parallel, int4_group=int4_group, **qkw)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, parallel, **qkw)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
@@ -173,12 +176,14 @@ class DeepseekV3Model(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         quant_block: tuple[int, int] | None = None,
+        int4_group: int | None = None,
     ):
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, parallel, **kw)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, parallel, quant_block=quant_block, **kw) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, parallel, quant_block=quant_block, int4_group=int4_group, **kw)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.rotary_emb = YarnRotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, device=device)
@@ -193,8 +198,9 @@ class DeepseekV3Model(nn.Module):
 class KimiK2ForCausalLM(nn.Module):
     """`model(input_ids [T], batch, kv_cache [L, blocks, block_size, kv_cache_dim])` -> final-normed hidden [T, H].
 
-    `weights="fp8"` (default) stores an FP8 checkpoint's FP8 tensors as float8_e4m3fn with their fp32
-    scales (kv_b_proj excepted, see MLAttention); `weights="dequantized"` stores every weight in `dtype`.
+    `weights="quantized"` (default) stores an FP8 checkpoint's FP8 tensors as float8_e4m3fn with their fp32
+    scales (kv_b_proj excepted, see MLAttention) and INT4 experts packed with their bf16 group scales;
+    `weights="dequantized"` stores every weight in `dtype`.
     Construction checks that the tensor-parallel size divides what it must split (naming the number).
     """
 
@@ -205,7 +211,7 @@ class KimiK2ForCausalLM(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        weights: str = "fp8",
+        weights: str = "quantized",
     ):
         super().__init__()
         if weights not in WEIGHT_MODES:
@@ -215,9 +221,12 @@ class KimiK2ForCausalLM(nn.Module):
         self.config = config
         self.parallel = parallel
         self.weights = weights
-        quant = config.quantization_config
-        quant_block = tuple(quant.weight_block_size) if weights == "fp8" and quant is not None else None
-        self.model = DeepseekV3Model(config, parallel, dtype=dtype, device=device, quant_block=quant_block)
+        stored = weights == "quantized"
+        self.model = DeepseekV3Model(
+            config, parallel, dtype=dtype, device=device,
+            quant_block=config.fp8_block if stored else None,
+            int4_group=config.int4_group_size if stored else None,
+        )
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, parallel, dtype=dtype, device=device)
 
     @torch.inference_mode()

@@ -11,20 +11,21 @@ first) and down_proj [E, H, I].
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 
 from kserve.config import ModelConfig
+from kserve.model.weights_layout import EXPERT_TENSOR
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def hf_config(model_dir: str | Path):
     from transformers import DeepseekV3Config
 
     raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if "text_config" in raw:  # a kimi_k25 wrapper: the text model is a plain DeepSeek-V3
+        raw = {**raw["text_config"], "eos_token_id": raw.get("eos_token_id")}
     raw = {k: v for k, v in raw.items() if k not in ("quantization_config", "auto_map", "model_type", "architectures")}
     raw["num_mtp_layers"] = 0
     cfg = DeepseekV3Config(**raw)
@@ -43,7 +44,7 @@ def build_hf_reference(model_dir: str | Path, dtype: torch.dtype = torch.float32
     state: dict[str, torch.Tensor] = {}
     inter = config.moe_intermediate_size
     for spec, tensor in iter_checkpoint(model_dir, config, torch.float32):
-        m = _EXPERT.match(spec.name)
+        m = EXPERT_TENSOR.match(spec.name)
         if not m:
             state[spec.name] = tensor
             continue

@@ -1,11 +1,15 @@
 """Load a Kimi K2 / DeepSeek-V3 checkpoint (Moonshot's published layout) into `KimiK2ForCausalLM`.
 
-`load_model(dir, device, dtype, parallel, weights="fp8")`:
-- `weights="fp8"` (the default): every FP8 tensor of the checkpoint is stored as it is, float8_e4m3fn
-  plus its fp32 `weight_scale_inv`, from the file to the forward (kv_b_proj alone is dequantized at
-  load, for the absorbed MLA path: about 0.05% of K2's weights).
-- `weights="dequantized"`: FP8 tensors are dequantized at load into the model dtype (references,
+`load_model(dir, device, dtype, parallel, weights="quantized")`:
+- `weights="quantized"` (the default): every FP8 tensor of the checkpoint is stored as it is, float8_e4m3fn
+  plus its fp32 `weight_scale_inv`, and INT4 experts stay packed int32 with their bf16 group scales, from
+  the file to the forward (kv_b_proj alone is dequantized at load, for the absorbed MLA path: about 0.05%
+  of K2's weights).
+- `weights="dequantized"`: FP8 and INT4 tensors are dequantized at load into the model dtype (references,
   parity tests).
+
+A kimi_k25 wrapper's text tensors carry `language_model.` (config.weight_prefix); its vision tensors are
+not read (one log line says how many were skipped).
 
 Each parameter names the part of the checkpoint tensor it holds (`param.checkpoint_slice`); the loader
 reads exactly that slice with safetensors' `get_slice` (and only this rank's experts), so a rank of N
@@ -22,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,16 +34,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kserve.config import ModelConfig
+from kserve.config import VISION_TENSOR_PREFIXES, ModelConfig
 from kserve.distributed import ParallelState
 from kserve.kernels.fp8_dequant import dequantize_blocks, scale_shape
+from kserve.kernels.int4_pack import dequantize_int4, group_scale_shape
 from kserve.model.deepseek_v3 import WEIGHT_MODES, KimiK2ForCausalLM
-from kserve.model.weights_layout import FP8, TensorSpec, checkpoint_tensors
+from kserve.model.weights_layout import EXPERT_TENSOR, FP8, INT4, TensorSpec, checkpoint_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _SAFETENSORS_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
+    "I32": torch.int32,
     "BF16": torch.bfloat16,
     "F16": torch.float16,
     "F32": torch.float32,
@@ -96,13 +100,25 @@ def read_weight_map(model_dir: Path) -> dict[str, str]:
     raise CheckpointError(f"no {INDEX_FILE} or model.safetensors in {model_dir}")
 
 
+def text_weight_map(weight_map: dict[str, str], config: ModelConfig) -> dict[str, str]:
+    """The text model's tensors, named without the checkpoint's `weight_prefix`; logs what else is skipped."""
+    prefix = config.weight_prefix
+    text = {name[len(prefix):]: file for name, file in weight_map.items() if name.startswith(prefix)}
+    vision = [name for name in weight_map if name.startswith(VISION_TENSOR_PREFIXES)]
+    if vision:
+        logger.info("skipping %d vision tensors (%s): the text model alone is loaded",
+                    len(vision), ", ".join(p + "*" for p in VISION_TENSOR_PREFIXES))
+    return text
+
+
 class ShardReader:
     """Opens each shard once, on first use; reads single tensors (or slices of them) with their shape
     and dtype checked before any data is read."""
 
-    def __init__(self, model_dir: Path, weight_map: dict[str, str], stack: contextlib.ExitStack):
+    def __init__(self, model_dir: Path, weight_map: dict[str, str], stack: contextlib.ExitStack, prefix: str = ""):
         self.model_dir = model_dir
-        self.weight_map = weight_map
+        self.weight_map = weight_map  # names without `prefix`, as text_weight_map gives them
+        self.prefix = prefix
         self.stack = stack
         self.handles: dict[str, tuple[object, set[str]]] = {}
 
@@ -110,6 +126,7 @@ class ShardReader:
         from safetensors import safe_open
 
         file = self.weight_map.get(name)
+        name = self.prefix + name
         if file is None:
             raise CheckpointError(f"{what} {name!r} is missing: not listed in {self.model_dir / INDEX_FILE}")
         if file not in self.handles:
@@ -133,6 +150,7 @@ class ShardReader:
     ) -> torch.Tensor:
         """The tensor `name` (which must have `shape` and one of `dtypes`), or only `index` of it."""
         handle, file = self._handle(name, what)
+        name = self.prefix + name
         view = handle.get_slice(name)
         got = tuple(view.get_shape())
         if got != tuple(shape):
@@ -173,19 +191,31 @@ def _is_partial(index: Slices | None, shape: tuple[int, ...]) -> bool:
     return index is not None and any(s.indices(n) != (0, n, 1) for s, n in zip(index, shape))
 
 
-def _target(spec: TensorSpec) -> tuple[str, dict]:
-    """The parameter a checkpoint tensor loads into, and the weight_loader's extra arguments."""
-    m = _EXPERT.match(spec.name)
+def _target(spec: TensorSpec, packed: bool) -> tuple[str, dict]:
+    """The parameter a checkpoint tensor loads into, and the weight_loader's extra arguments. `packed`: the
+    model keeps INT4 experts packed (`*_packed` parameters) rather than dequantized."""
+    m = EXPERT_TENSOR.match(spec.name)
     if m is None:
         return spec.name, {}
     param = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down' else 'gate_up_proj'}"
+    if spec.kind == INT4 and packed:
+        param += "_packed"
     return param, {"expert_id": int(m.group(2)), "shard_id": m.group(3)}
 
 
+def _companions(spec: TensorSpec) -> list[tuple[str, str]]:
+    """The tensors a quantized weight needs beside it: (name, what)."""
+    if spec.kind == FP8:
+        return [(spec.scale_name, "fp8 scale")]
+    if spec.kind == INT4:
+        return [(spec.scale_name, "int4 scale"), (spec.shape_name, "int4 shape")]
+    return []
+
+
 def _check_listed(specs: list[TensorSpec], weight_map: dict[str, str], model_dir: Path) -> None:
-    """Fail before reading anything when the index lacks a tensor or an FP8 weight's scale."""
+    """Fail before reading anything when the index lacks a tensor or a quantized weight's scale."""
     for spec in specs:
-        for name, what in [(spec.name, "tensor")] + ([(spec.scale_name, "fp8 scale")] if spec.kind == FP8 else []):
+        for name, what in [(spec.name, "tensor"), *_companions(spec)]:
             if name not in weight_map:
                 raise CheckpointError(f"{what} {name!r} is missing: not listed in {model_dir / INDEX_FILE}")
 
@@ -204,15 +234,16 @@ def load_weights(model: KimiK2ForCausalLM, model_dir: str | Path) -> LoadReport:
     parallel: ParallelState = model.parallel
     params = dict(model.named_parameters())
     experts = {name: mod for name, mod in model.named_modules() if name.endswith("mlp.experts")}
-    block = tuple(config.quantization_config.weight_block_size) if config.quantization_config else (128, 128)
+    block = config.fp8_block or (128, 128)
+    packed = model.weights == "quantized"
     report = LoadReport(parallel.tp_rank, parallel.tp_size)
     start_time = time.perf_counter()
 
     def ours(spec: TensorSpec) -> bool:
-        m = _EXPERT.match(spec.name)
+        m = EXPERT_TENSOR.match(spec.name)
         return m is None or experts[m.group(1)].owns(int(m.group(2)))
 
-    weight_map = read_weight_map(model_dir)
+    weight_map = text_weight_map(read_weight_map(model_dir), config)
     specs = [s for s in checkpoint_tensors(config) if ours(s)]
     _check_listed(specs, weight_map, model_dir)
     bar = tqdm(total=len(specs), desc=f"loading {model_dir.name}", unit="tensor", disable=None, leave=False)
@@ -220,9 +251,9 @@ def load_weights(model: KimiK2ForCausalLM, model_dir: str | Path) -> LoadReport:
         # Shard by shard, unmapping each when done, so at most one shard's pages stay mapped.
         for shard_specs in _by_shard(specs, weight_map).values():
             with contextlib.ExitStack() as stack:
-                reader = ShardReader(model_dir, weight_map, stack)
+                reader = ShardReader(model_dir, weight_map, stack, config.weight_prefix)
                 for spec in shard_specs:
-                    name, extra = _target(spec)
+                    name, extra = _target(spec, packed)
                     param = params.get(name)
                     if param is None:
                         raise CheckpointError(f"tensor {spec.name!r} has no parameter {name!r} in the model")
@@ -230,6 +261,8 @@ def load_weights(model: KimiK2ForCausalLM, model_dir: str | Path) -> LoadReport:
                     split = (bool(extra) and parallel.is_parallel) or _is_partial(index, spec.shape)
                     if spec.kind == FP8:
                         _load_fp8(reader, spec, param, params, name, extra, index, block, report, split)
+                    elif spec.kind == INT4:
+                        _load_int4(reader, spec, param, params, name, extra, config.int4_group_size, report, split)
                     else:
                         tensor = reader.read(spec.name, spec.shape, _DENSE_DTYPES, "tensor", index)
                         report.add(tensor, split)
@@ -277,24 +310,64 @@ def _load_fp8(
     param.weight_loader(param, dense, **extra)
 
 
+def _read_int4(reader: ShardReader, spec: TensorSpec, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One INT4 weight's packed words and group scales, after checking its recorded [out, in]."""
+    recorded = reader.read(spec.shape_name, (2,), (torch.int32, torch.int64), "int4 shape")
+    if tuple(recorded.tolist()) != spec.logical_shape:
+        raise CheckpointError(
+            f"int4 shape {spec.shape_name!r} records {recorded.tolist()}, expected {list(spec.logical_shape)}"
+        )
+    packed = reader.read(spec.name, spec.shape, (torch.int32,), "int4 weight")
+    scale = reader.read(spec.scale_name, group_scale_shape(*spec.logical_shape, group_size),
+                        (torch.bfloat16, torch.float16, torch.float32), "int4 scale")
+    return packed, scale
+
+
+def _load_int4(
+    reader: ShardReader,
+    spec: TensorSpec,
+    param: torch.nn.Parameter,
+    params: dict[str, torch.nn.Parameter],
+    name: str,
+    extra: dict,
+    group_size: int,
+    report: LoadReport,
+    split: bool,
+) -> None:
+    packed, scale = _read_int4(reader, spec, group_size)
+    report.add(packed, split)
+    report.add(scale, split)
+    if param.dtype == torch.int32:  # kept packed: words and scales go to their own parameters
+        scale_param = params[name.removesuffix("_packed") + "_scale"]
+        param.weight_loader(param, packed, **extra)
+        scale_param.weight_loader(scale_param, scale, **extra)
+        return
+    dense = dequantize_int4(packed.to(param.device), scale.to(param.device), group_size, param.dtype)
+    del packed, scale
+    param.weight_loader(param, dense, **extra)
+
+
 def iter_checkpoint(
     model_dir: str | Path,
     config: ModelConfig,
     dtype: torch.dtype = torch.float32,
     skip: Callable[[TensorSpec], bool] = lambda spec: False,
 ) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
-    """Yield (spec, full tensor) for every expected tensor, FP8 ones dequantized to `dtype` and the
-    others converted to it, one at a time (for references such as hf_reference.py)."""
+    """Yield (spec, full tensor) for every expected tensor, FP8 and INT4 ones dequantized to `dtype` (INT4 to
+    its [out, in]) and the others converted to it, one at a time (for references such as hf_reference.py)."""
     model_dir = Path(model_dir)
-    weight_map = read_weight_map(model_dir)
+    weight_map = text_weight_map(read_weight_map(model_dir), config)
     specs = [s for s in checkpoint_tensors(config) if not skip(s)]
     _check_listed(specs, weight_map, model_dir)
-    block = tuple(config.quantization_config.weight_block_size) if config.quantization_config else (128, 128)
+    block = config.fp8_block or (128, 128)
     for shard_specs in _by_shard(specs, weight_map).values():
         with contextlib.ExitStack() as stack:
-            reader = ShardReader(model_dir, weight_map, stack)
+            reader = ShardReader(model_dir, weight_map, stack, config.weight_prefix)
             for spec in shard_specs:
-                if spec.kind == FP8:
+                if spec.kind == INT4:
+                    packed, scale = _read_int4(reader, spec, config.int4_group_size)
+                    yield spec, dequantize_int4(packed, scale, config.int4_group_size, dtype)
+                elif spec.kind == FP8:
                     weight = reader.read(spec.name, spec.shape, (torch.float8_e4m3fn,), "fp8 weight")
                     scale = reader.read(spec.scale_name, scale_shape(spec.shape, block), (torch.float32,), "fp8 scale")
                     yield spec, dequantize_blocks(weight, scale, block, dtype)
@@ -302,8 +375,16 @@ def iter_checkpoint(
                     yield spec, reader.read(spec.name, spec.shape, _DENSE_DTYPES).to(dtype)
 
 
+def _dequantized_name(name: str) -> str | None:
+    """What a quantized checkpoint's tensor becomes in a dense copy: the weight's name, or None for the scales
+    and shapes that are folded into it."""
+    if name.endswith(("_scale_inv", ".weight_scale", ".weight_shape")):
+        return None
+    return name.removesuffix("_packed")
+
+
 def write_dequantized_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Copy a checkpoint with every FP8 weight dequantized to `dtype`, its scales and its
+    """Copy a checkpoint with every FP8 and INT4 weight dequantized to `dtype`, its scales and its
     `quantization_config` dropped (tokenizer and other files copied as they are). The copy loads as a
     plain floating-point model whatever `weights` says: the reference for engine-level token parity
     (tensor parallelism, batching), where FP8 activation rounding would amplify summation order."""
@@ -313,25 +394,38 @@ def write_dequantized_checkpoint(model_dir: str | Path, out_dir: str | Path, dty
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = ModelConfig.from_model_dir(model_dir)
-    block = tuple(config.quantization_config.weight_block_size) if config.quantization_config else (128, 128)
+    block = config.fp8_block or (128, 128)
     shutil.copytree(model_dir, out_dir)
     raw = json.loads((out_dir / "config.json").read_text())
     raw.pop("quantization_config", None)
+    if isinstance(raw.get("text_config"), dict):
+        raw["text_config"].pop("quantization_config", None)
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2))
     weight_map = read_weight_map(model_dir)
     for shard in sorted(set(weight_map.values())):
         tensors = load_file(str(model_dir / shard))
         dense = {}
         for name, tensor in tensors.items():
-            if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in tensors:
-                continue
-            scale = tensors.get(name + "_scale_inv")
-            dense[name] = dequantize_blocks(tensor, scale, block, dtype) if scale is not None else tensor
+            if name.endswith("_scale_inv") and name[: -len("_scale_inv")] not in tensors:
+                dense[name] = tensor  # not an FP8 weight's scale
+            elif name.endswith(".weight_packed"):
+                module = name.removesuffix(".weight_packed")
+                dense[module + ".weight"] = dequantize_int4(
+                    tensor, tensors[module + ".weight_scale"], config.int4_group_size, dtype
+                )
+            elif _dequantized_name(name) == name:
+                scale = tensors.get(name + "_scale_inv")
+                dense[name] = dequantize_blocks(tensor, scale, block, dtype) if scale is not None else tensor
         save_file(dense, str(out_dir / shard), metadata={"format": "pt"})
     index = out_dir / INDEX_FILE
     if index.is_file():
         raw_index = json.loads(index.read_text())
-        raw_index["weight_map"] = {k: v for k, v in raw_index["weight_map"].items() if not k.endswith("_scale_inv")}
+        names = {}
+        for name, file in raw_index["weight_map"].items():
+            kept = _dequantized_name(name)
+            if kept is not None:
+                names[kept] = file
+        raw_index["weight_map"] = names
         index.write_text(json.dumps(raw_index, indent=2))
     return out_dir
 
@@ -342,7 +436,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     parallel: ParallelState | None = None,
     *,
-    weights: str = "fp8",
+    weights: str = "quantized",
 ) -> KimiK2ForCausalLM:
     """Build the model for this rank and load its slice of the checkpoint (see the module docstring
     for `weights`). The model's `load_report` says how many bytes this rank read."""

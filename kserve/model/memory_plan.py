@@ -49,7 +49,7 @@ def kv_cache_dtype_for(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.d
 
 
 def build_meta_model(
-    config: ModelConfig, tp_size: int = 1, tp_rank: int = 0, dtype: torch.dtype = torch.bfloat16, weights: str = "fp8"
+    config: ModelConfig, tp_size: int = 1, tp_rank: int = 0, dtype: torch.dtype = torch.bfloat16, weights: str = "quantized"
 ):
     """The engine's model for one rank, on the meta device (no memory, no data)."""
     from kserve.model.deepseek_v3 import KimiK2ForCausalLM
@@ -87,7 +87,7 @@ def _rank_signature(config: ModelConfig, tp_size: int, rank: int) -> tuple:
 
 
 def weights_bytes_per_rank(
-    config: ModelConfig, tp_size: int, dtype: torch.dtype = torch.bfloat16, weights: str = "fp8"
+    config: ModelConfig, tp_size: int, dtype: torch.dtype = torch.bfloat16, weights: str = "quantized"
 ) -> list[int]:
     """Parameter + buffer bytes of every rank's model, from meta builds (one per distinct rank shape)."""
     by_signature: dict[tuple, int] = {}

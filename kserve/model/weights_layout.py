@@ -5,39 +5,61 @@ One source of truth for the loader (what to expect) and the tiny-checkpoint writ
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kserve.config import ModelConfig
+from kserve.kernels.int4_pack import packed_shape
 
 FP8 = "fp8"  # float8_e4m3fn weight with an fp32 `<name>_scale_inv` of [ceil(out/B0), ceil(in/B1)]
+# compressed-tensors pack-quantized: `<module>.weight_packed` int32 [out, in/8], `<module>.weight_scale` bf16
+# [out, in/G] and `<module>.weight_shape` int32 [2] = [out, in] (kserve.kernels.int4_pack)
+INT4 = "int4"
 BF16 = "bf16"
 FP32 = "fp32"
+# A routed expert's projection: (layer's experts module, expert id, gate|up|down).
+EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight(?:_packed)?$")
 
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """One checkpoint tensor, named without the checkpoint's `weight_prefix`. `shape` is the stored shape
+    (for INT4 the packed one); `logical_shape` the weight's [out, in]."""
+
     name: str
     shape: tuple[int, ...]
-    kind: str  # FP8, BF16 or FP32
+    kind: str  # FP8, INT4, BF16 or FP32
+    logical_shape: tuple[int, ...] = ()
 
     @property
     def scale_name(self) -> str:
+        if self.kind == INT4:
+            return self.name.removesuffix("_packed") + "_scale"
         return self.name + "_scale_inv"
+
+    @property
+    def shape_name(self) -> str:
+        """INT4 only: the tensor recording the unpacked [out, in]."""
+        return self.name.removesuffix("_packed") + "_shape"
 
 
 def checkpoint_tensors(config: ModelConfig) -> list[TensorSpec]:
     """Every tensor the model needs, in checkpoint order (scales are implied by FP8 specs)."""
     c = config
-    linear = FP8 if c.quantization_config is not None else BF16
+    linear = FP8 if c.fp8_block is not None else BF16
+    expert_kind = INT4 if c.int4_group_size is not None else linear
     specs = [TensorSpec("model.embed_tokens.weight", (c.vocab_size, c.hidden_size), BF16)]
 
-    def lin(name: str, out: int, inp: int) -> None:
-        specs.append(TensorSpec(name + ".weight", (out, inp), linear))
+    def lin(name: str, out: int, inp: int, kind: str = linear) -> None:
+        if kind == INT4:
+            specs.append(TensorSpec(name + ".weight_packed", packed_shape(out, inp), INT4, (out, inp)))
+        else:
+            specs.append(TensorSpec(name + ".weight", (out, inp), kind, (out, inp)))
 
-    def mlp(prefix: str, inter: int) -> None:
-        lin(prefix + ".gate_proj", inter, c.hidden_size)
-        lin(prefix + ".up_proj", inter, c.hidden_size)
-        lin(prefix + ".down_proj", c.hidden_size, inter)
+    def mlp(prefix: str, inter: int, kind: str = linear) -> None:
+        lin(prefix + ".gate_proj", inter, c.hidden_size, kind)
+        lin(prefix + ".up_proj", inter, c.hidden_size, kind)
+        lin(prefix + ".down_proj", c.hidden_size, inter, kind)
 
     heads = c.num_attention_heads
     for i in range(c.num_hidden_layers):
@@ -59,7 +81,7 @@ def checkpoint_tensors(config: ModelConfig) -> list[TensorSpec]:
             specs.append(TensorSpec(f"{p}.mlp.gate.weight", (c.n_routed_experts, c.hidden_size), BF16))
             specs.append(TensorSpec(f"{p}.mlp.gate.e_score_correction_bias", (c.n_routed_experts,), FP32))
             for e in range(c.n_routed_experts):
-                mlp(f"{p}.mlp.experts.{e}", c.moe_intermediate_size)
+                mlp(f"{p}.mlp.experts.{e}", c.moe_intermediate_size, expert_kind)
             if c.n_shared_experts:
                 mlp(f"{p}.mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts)
         else:

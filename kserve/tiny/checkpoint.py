@@ -1,6 +1,10 @@
 """A tiny random Kimi K2 checkpoint in Moonshot's published layout: config.json, generation_config.json,
 FP8 safetensors shards with their index, and the tokenizer files. The same seed gives byte-identical files.
 
+Variant "k25" is K2.6's layout instead: a `kimi_k25` wrapper config (text model under `text_config`), bf16
+weights with compressed-tensors INT4 routed experts, `language_model.` names, small random vision tensors,
+K2.6's tokenizer config and `<|im_end|>` as EOS.
+
 Geometry: by default ("k2") the attention keeps K2's per-head widths (qk_nope 128, qk_rope 64,
 v_head 128, kv_lora_rank 512, so a latent-cache row is 576 values, a ragged FP8 block in
 kv_a_proj_with_mqa as in K2) with 8 heads, 4 layers and 16 experts, so kernels and caches are tested
@@ -22,16 +26,78 @@ from kserve.tiny.tokenizer_files import (
     tokenizer_config,
 )
 
-VARIANTS = ("k2", "v3")
+VARIANTS = ("k2", "v3", "k25")
 GEOMETRIES: dict[str, dict[str, int]] = {
     "k2": {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "kv_lora_rank": 512},
     "small": {"qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32, "kv_lora_rank": 128},
 }
 
 
+def int4_quantization_config(group_size: int = 32) -> dict[str, Any]:
+    """K2.6's `quantization_config`: compressed-tensors pack-quantized INT4 routed experts, the rest bf16."""
+    weights = {
+        "actorder": None, "block_structure": None, "dynamic": False, "group_size": group_size, "num_bits": 4,
+        "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "int",
+    }
+    return {
+        "config_groups": {
+            "group_0": {"input_activations": None, "output_activations": None, "targets": ["Linear"], "weights": weights}
+        },
+        "format": "pack-quantized",
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    }
+
+
+def tiny_vision_config(text_hidden: int) -> dict[str, Any]:
+    """K2.6's `vision_config` keys at tiny sizes."""
+    return {
+        "init_pos_emb_height": 8, "init_pos_emb_time": 4, "init_pos_emb_width": 8, "merge_kernel_size": [2, 2],
+        "merge_type": "sd2_tpool", "mm_hidden_size": 64, "mm_projector_type": "patchmerger", "patch_size": 14,
+        "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
+        "text_hidden_size": text_hidden, "video_attn_type": "spatial_temporal", "vt_hidden_size": 64,
+        "vt_intermediate_size": 128, "vt_num_attention_heads": 4, "vt_num_hidden_layers": 2,
+    }
+
+
+def wrap_k25(text: dict[str, Any], base_vocab: int) -> dict[str, Any]:
+    """A kimi_k25 config.json around a text config, as K2.6 publishes it."""
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "bos_token_id": special_token_id(163584, base_vocab),
+        "eos_token_id": special_token_id(163586, base_vocab),
+        "media_placeholder_token_id": special_token_id(163605, base_vocab),
+        "model_type": "kimi_k25",
+        "pad_token_id": special_token_id(163839, base_vocab),
+        "text_config": dict(sorted(text.items())),
+        "tie_word_embeddings": False,
+        "vision_config": tiny_vision_config(text["hidden_size"]),
+    }
+
+
+def _vision_tensors(vision: dict[str, Any], seed: int) -> dict[str, Any]:
+    """Small random stand-ins for `vision_tower.*` / `mm_projector.*` (kserve does not load them yet)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    width, patch = vision["vt_hidden_size"], vision["patch_size"]
+    merged = width * vision["merge_kernel_size"][0] * vision["merge_kernel_size"][1]
+    shapes = {
+        "vision_tower.patch_embed.proj.weight": (width, 3, patch, patch),
+        "vision_tower.patch_embed.proj.bias": (width,),
+        "mm_projector.pre_norm.weight": (width,),
+        "mm_projector.proj.0.weight": (merged, merged),
+        "mm_projector.proj.2.weight": (vision["text_hidden_size"], merged),
+    }
+    return {name: (0.02 * torch.randn(shape, generator=gen)).to(torch.bfloat16) for name, shape in shapes.items()}
+
+
 def tiny_config(variant: str = "k2", geometry: str = "k2") -> dict[str, Any]:
-    """config.json with K2's keys and tiny sizes. `v3` uses group-limited routing like DeepSeek-V3;
-    `geometry` picks the attention widths (GEOMETRIES)."""
+    """The text model's config.json with K2's keys and tiny sizes. `v3` uses group-limited routing like
+    DeepSeek-V3; `k25` is K2.6's text config (INT4 experts, 262,144-token context; `wrap_k25` makes the
+    wrapper); `geometry` picks the attention widths (GEOMETRIES)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown tiny variant {variant!r}; expected one of {VARIANTS}")
     if geometry not in GEOMETRIES:
@@ -97,23 +163,29 @@ def tiny_config(variant: str = "k2", geometry: str = "k2") -> dict[str, Any]:
         cfg.update(model_type="deepseek_v3", n_group=4, topk_group=2, routed_scaling_factor=2.5, rope_theta=10000.0,
                    max_position_embeddings=10240)  # = factor x original, as transformers expects
         cfg["rope_scaling"] = dict(cfg["rope_scaling"], beta_fast=32.0, factor=40.0, original_max_position_embeddings=256)
+    if variant == "k25":
+        cfg.update(quantization_config=int4_quantization_config(), max_position_embeddings=262144, rms_norm_eps=1e-05,
+                   pad_token_id=special_token_id(163839))
+        cfg["rope_scaling"] = dict(cfg["rope_scaling"], factor=64.0)
     return cfg
 
 
 def _random_weights(config_dict: dict[str, Any], seed: int) -> dict[str, Any]:
-    """Checkpoint tensors (FP8 + scales, bf16, fp32) drawn from `seed`, in checkpoint order."""
+    """Checkpoint tensors (FP8 + scales, INT4 packed + scales + shapes, bf16, fp32) drawn from `seed`, in
+    checkpoint order, named without a wrapper's prefix."""
     import torch
 
     from kserve.config import ModelConfig
     from kserve.kernels.fp8_dequant import quantize_blocks_torch
-    from kserve.model.weights_layout import BF16, FP8, checkpoint_tensors
+    from kserve.kernels.int4_pack import pack_int4, quantize_int4_groups
+    from kserve.model.weights_layout import BF16, FP8, INT4, checkpoint_tensors
 
     config = ModelConfig.from_dict(config_dict)
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for spec in checkpoint_tensors(config):
         name, shape = spec.name, spec.shape
-        noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+        noise = torch.randn(spec.logical_shape or shape, generator=gen, dtype=torch.float32)
         if name.endswith("e_score_correction_bias"):
             out[name] = (0.05 * noise).float()
         elif len(shape) == 1:  # norms
@@ -122,10 +194,15 @@ def _random_weights(config_dict: dict[str, Any], seed: int) -> dict[str, Any]:
             out[name] = noise.to(torch.bfloat16)
         elif name == "lm_head.weight":
             out[name] = (noise * (3.0 / shape[1] ** 0.5)).to(torch.bfloat16)
+        elif spec.kind == INT4:  # drawn at the unpacked shape, as the other variants draw their experts
+            q, scale = quantize_int4_groups(noise / spec.logical_shape[1] ** 0.5, config.int4_group_size)
+            out[name] = pack_int4(q)
+            out[spec.scale_name] = scale
+            out[spec.shape_name] = torch.tensor(spec.logical_shape, dtype=torch.int32)
         else:
             w = noise / shape[1] ** 0.5
             if spec.kind == FP8:
-                q, scale = quantize_blocks_torch(w, tuple(config.quantization_config.weight_block_size))
+                q, scale = quantize_blocks_torch(w, config.fp8_block)
                 out[name] = q
                 out[spec.scale_name] = scale
             else:
@@ -167,15 +244,24 @@ def write_tiny_checkpoint(
     out_dir.mkdir(parents=True, exist_ok=True)
     ranks = ranks if ranks is not None else learn_bpe_ranks()
     base_vocab = len(ranks)
+    k25 = variant == "k25"
     cfg = {**tiny_config(variant, geometry), **(config_overrides or {})}
+    # K2.6 stops generation on <|im_end|>; K2-Instruct's config names [EOS].
+    eos = special_token_id(163586 if k25 else 163585, base_vocab)
     cfg.update(vocab_size=base_vocab + NUM_SPECIAL, bos_token_id=special_token_id(163584, base_vocab),
-               eos_token_id=special_token_id(163585, base_vocab))
+               eos_token_id=eos)
+    if k25:
+        cfg["pad_token_id"] = special_token_id(163839, base_vocab)
     tensors = _random_weights(cfg, seed)
     num_shards = 2
     shards: dict[int, dict[str, Any]] = {i: {} for i in range(1, num_shards + 1)}
+    prefix = "language_model." if k25 else ""
     for name, t in tensors.items():
         base = name.removesuffix("_scale_inv")
-        shards[_shard_of(base, cfg["num_hidden_layers"])][name] = t
+        shards[_shard_of(base, cfg["num_hidden_layers"])][prefix + name] = t
+    top = wrap_k25(cfg, base_vocab) if k25 else cfg
+    if k25:
+        shards[num_shards].update(_vision_tensors(top["vision_config"], seed))
     weight_map: dict[str, str] = {}
     total = 0
     for i, shard in shards.items():
@@ -187,9 +273,9 @@ def write_tiny_checkpoint(
             total += t.numel() * t.element_size()
     _write_json(out_dir / "model.safetensors.index.json",
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-    _write_json(out_dir / "config.json", dict(sorted(cfg.items())))
+    _write_json(out_dir / "config.json", dict(sorted(top.items())))
     _write_json(out_dir / "generation_config.json",
                 {"max_length": cfg["max_position_embeddings"], "eos_token_id": special_token_id(163586, base_vocab)})
     (out_dir / "tiktoken.model").write_text(tiktoken_model_text(ranks), encoding="ascii")
-    _write_json(out_dir / "tokenizer_config.json", tokenizer_config(base_vocab))
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config(base_vocab, k25=k25))
     return out_dir

@@ -31,6 +31,15 @@ K2_NAMED_SPECIAL_TOKENS: tuple[tuple[int, str, bool], ...] = (
     (163838, "[UNK]", True),
     (163839, "[PAD]", True),
 )
+# What K2.5 / K2.6's tokenizer_config.json adds: the media tokens (special) and <think> / </think> (not special).
+K25_EXTRA_SPECIAL_TOKENS: tuple[tuple[int, str, bool], ...] = (
+    (163602, "<|media_begin|>", True),
+    (163603, "<|media_content|>", True),
+    (163604, "<|media_end|>", True),
+    (163605, "<|media_pad|>", True),
+    (163606, "<think>", False),
+    (163607, "</think>", False),
+)
 
 
 def tiktoken_model_text(ranks: tuple[bytes, ...]) -> str:
@@ -41,11 +50,13 @@ def special_token_id(k2_id: int, base_vocab: int = BASE_VOCAB) -> int:
     return base_vocab + (k2_id - K2_FIRST_SPECIAL)
 
 
-def tokenizer_config(base_vocab: int = BASE_VOCAB) -> dict[str, Any]:
-    """K2's tokenizer_config.json with special ids shifted to follow this base vocabulary.
+def tokenizer_config(base_vocab: int = BASE_VOCAB, k25: bool = False) -> dict[str, Any]:
+    """K2's tokenizer_config.json (`k25`: K2.5 / K2.6's, with the media and think tokens) with special ids
+    shifted to follow this base vocabulary.
 
     `auto_map` is left out: it names K2's tokenization_kimi.py, which is not shipped here.
     """
+    named = K2_NAMED_SPECIAL_TOKENS + (K25_EXTRA_SPECIAL_TOKENS if k25 else ())
     decoder = {
         str(special_token_id(k2_id, base_vocab)): {
             "content": content,
@@ -55,13 +66,14 @@ def tokenizer_config(base_vocab: int = BASE_VOCAB) -> dict[str, Any]:
             "single_word": False,
             "special": special,
         }
-        for k2_id, content, special in K2_NAMED_SPECIAL_TOKENS
+        for k2_id, content, special in sorted(named)
     }
+    media = ["<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>"] if k25 else []
     return {
         "added_tokens_decoder": decoder,
         "additional_special_tokens": [
             "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
-            "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>",
+            "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>", *media,
         ],
         "bos_token": "[BOS]",
         "clean_up_tokenization_spaces": False,
