@@ -3,9 +3,18 @@
 Imports nothing from kserve.server / kserve.engine / kserve.model and no torch.
 """
 
+from kserve.chat.dialect import (
+    DIALECTS,
+    ChatDialect,
+    HistoryReasoning,
+    ToolDeclarationFormat,
+    detect_dialect,
+    dialect_named,
+)
 from kserve.chat.reasoning import ReasoningDelta, StreamingReasoningParser, split_reasoning
 from kserve.chat.template import ChatTemplate, render_prompt
 from kserve.chat.tokenizer import IncrementalDetokenizer, KimiTokenizer, load_tokenizer
+from kserve.chat.tool_declaration_ts import ToolDeclarationError, deep_sorted, encode_tools_typescript
 from kserve.chat.tool_ids import normalize_tool_call_ids
 from kserve.chat.tool_parser import (
     StreamDelta,
@@ -18,7 +27,10 @@ from kserve.chat.tool_parser import (
 )
 
 __all__ = [
+    "DIALECTS",
+    "ChatDialect",
     "ChatTemplate",
+    "HistoryReasoning",
     "IncrementalDetokenizer",
     "KimiTokenizer",
     "ReasoningDelta",
@@ -27,7 +39,13 @@ __all__ = [
     "StreamingToolParser",
     "ToolCall",
     "ToolCallDelta",
+    "ToolDeclarationError",
+    "ToolDeclarationFormat",
     "ToolParseResult",
+    "deep_sorted",
+    "detect_dialect",
+    "dialect_named",
+    "encode_tools_typescript",
     "load_tokenizer",
     "normalize_tool_call_ids",
     "parse_tool_calls",

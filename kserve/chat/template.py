@@ -1,4 +1,9 @@
-"""Chat templates: the built-in renderer or a jinja template, and injection-safe prompt encoding."""
+"""Chat templates: the built-in renderer or a jinja template, and injection-safe prompt encoding.
+
+A ``ChatTemplate`` knows its ``ChatDialect`` (detected from the template's text, K2-Instruct without one): the built-in
+renderer follows it, and a jinja template gets what Moonshot's tokenizer wrapper gives it (deep-sorted tools,
+``tools_ts_str``, ``thinking`` / ``preserve_thinking``), so both give the official bytes.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kserve.chat.builtin_renderer import render_builtin
+from kserve.chat.builtin_renderer import render_prepared
+from kserve.chat.dialect import ChatDialect, PreparedTools, detect_dialect, dialect_named, prepare_tools
+from kserve.chat.dynamic_tools import expand_dynamic_tools
 from kserve.chat.jinja_renderer import compile_template, render_jinja
 
 logger = logging.getLogger(__name__)
@@ -23,7 +30,8 @@ _WEATHER_TOOL = {
     },
 }
 
-# Conversations rendered both ways at load time to detect a template that drifts from the built-in format.
+# Conversations rendered both ways at load time (thinking on and off) to detect a template that drifts from the
+# built-in format of its dialect.
 SELF_CHECK_CONVERSATIONS: tuple[tuple[list[dict], list | None, bool], ...] = (
     ([{"role": "system", "content": "You are Kimi."}, {"role": "user", "content": "What is 1+1?"}], None, True),
     (
@@ -54,6 +62,25 @@ SELF_CHECK_CONVERSATIONS: tuple[tuple[list[dict], list | None, bool], ...] = (
         False,
     ),
     ([{"role": "user", "content": "no system prompt given"}], None, True),
+    (
+        [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4", "reasoning_content": "add"},
+            {"role": "user", "content": "Weather in Beijing?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": "call the tool",
+                "tool_calls": [
+                    {"id": "functions.get_weather:0", "type": "function",
+                     "function": {"name": "get_weather", "arguments": {"city": "Beijing"}}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "Sunny"},
+        ],
+        [_WEATHER_TOOL],
+        True,
+    ),
 )
 
 
@@ -100,15 +127,28 @@ def first_difference(a: str, b: str) -> int | None:
     return n
 
 
+def _resolve_dialect(dialect: ChatDialect | str | None, source: str | None) -> ChatDialect:
+    if isinstance(dialect, str):
+        return dialect_named(dialect)
+    return detect_dialect(source) if dialect is None else dialect
+
+
 @dataclass
 class ChatTemplate:
-    """A prompt renderer: the built-in K2 format (``source is None``) or a jinja template."""
+    """A prompt renderer: the built-in format of ``dialect`` (``source is None``) or a jinja template.
+
+    ``dialect`` defaults to the one detected from ``source`` (K2-Instruct's without a template); the engine and server
+    read thinking defaults, the reasoning parser's start state and the EOS token from it.
+    """
 
     source: str | None = None
     origin: str = "builtin"
+    # A ChatDialect or its name; None: detected from source. Always a ChatDialect after construction.
+    dialect: ChatDialect | str | None = None
     _compiled: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.dialect = _resolve_dialect(self.dialect, self.source)
         if self.source is not None:
             self._compiled = compile_template(self.source)
 
@@ -117,14 +157,22 @@ class ChatTemplate:
         return self.source is None
 
     @classmethod
-    def load(cls, model_dir: str | Path | None = None, template_path: str | Path | None = None) -> "ChatTemplate":
+    def load(cls, model_dir: str | Path | None = None, template_path: str | Path | None = None, *,
+             dialect: ChatDialect | str | None = None) -> ChatTemplate:
+        """The model's template (``chat_template.jinja``, then ``tokenizer_config.json``) or the built-in renderer.
+
+        ``dialect`` is the generation of a model that ships no template (its family's, decided at load); a
+        shipped template's own text decides otherwise.
+        """
         template = cls._from_files(model_dir, template_path)
+        if dialect is not None and template.is_builtin:
+            template.dialect = _resolve_dialect(dialect, None)
         if not template.is_builtin:
             template.check_against_builtin()
         return template
 
     @classmethod
-    def _from_files(cls, model_dir, template_path) -> "ChatTemplate":
+    def _from_files(cls, model_dir, template_path) -> ChatTemplate:
         if template_path is not None:
             path = Path(template_path)
             return cls(source=path.read_text(encoding="utf-8"), origin=str(path))
@@ -147,46 +195,73 @@ class ChatTemplate:
 
     def check_against_builtin(self) -> str | None:
         """Render the self-check conversations both ways; log one warning at the first difference."""
+        builtin = ChatTemplate(dialect=self.dialect)
         for index, (messages, tools, add_gen) in enumerate(SELF_CHECK_CONVERSATIONS):
-            ours = render_builtin(messages, tools, add_gen)
-            try:
-                theirs = self.render(messages, tools, add_gen)
-            except Exception as exc:  # a template that can't render our checks is worth one warning too
-                message = f"chat template {self.origin} failed on self-check conversation {index}: {exc}"
-                logger.warning(message)
-                return message
-            pos = first_difference(ours, theirs)
-            if pos is not None:
-                message = (
-                    f"chat template {self.origin} differs from the built-in K2 format on self-check conversation "
-                    f"{index} at character {pos}: template {theirs[pos:pos + 40]!r} vs built-in {ours[pos:pos + 40]!r}"
-                )
-                logger.warning(message)
-                return message
+            for thinking in (True, False):
+                ours = builtin.render(messages, tools, add_gen, thinking=thinking)
+                try:
+                    theirs = self.render(messages, tools, add_gen, thinking=thinking)
+                except Exception as exc:  # a template that can't render our checks is worth one warning too
+                    message = f"chat template {self.origin} failed on self-check conversation {index}: {exc}"
+                    logger.warning(message)
+                    return message
+                pos = first_difference(ours, theirs)
+                if pos is not None:
+                    message = (
+                        f"chat template {self.origin} differs from the built-in {self.dialect.name} format on "
+                        f"self-check conversation {index} (thinking={thinking}) at character {pos}: template "
+                        f"{theirs[pos:pos + 40]!r} vs built-in {ours[pos:pos + 40]!r}"
+                    )
+                    logger.warning(message)
+                    return message
         return None
 
-    def render(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True, *,
+               thinking: bool | None = None, preserve_thinking: bool | None = None) -> str:
+        """The prompt text. ``thinking`` / ``preserve_thinking`` are the chat_template_kwargs Kimi templates read;
+        None takes the dialect's default (True / False, as Moonshot's wrapper). A system message carrying ``tools``
+        (dynamic tools) renders as a ``tool_declare`` turn where it sits (kserve.chat.dynamic_tools)."""
+        return self._render_prepared(expand_dynamic_tools(self.dialect, messages), prepare_tools(self.dialect, tools),
+                                     add_generation_prompt, thinking, preserve_thinking)
+
+    def _render_prepared(self, messages: list[dict], prepared: PreparedTools, add_generation_prompt: bool,
+                         thinking: bool | None, preserve_thinking: bool | None) -> str:
+        dialect = self.dialect
+        thinking = dialect.thinking_default if thinking is None else thinking
+        preserve_thinking = dialect.preserve_thinking_default if preserve_thinking is None else preserve_thinking
         if self.is_builtin:
-            return render_builtin(messages, tools, add_generation_prompt)
-        return render_jinja(self._compiled, _alias_reasoning_fields(messages), tools or None, add_generation_prompt)
+            return render_prepared(dialect, messages, prepared, add_generation_prompt, thinking, preserve_thinking)
+        if dialect.aliases_reasoning_fields:
+            messages = _alias_reasoning_fields(messages)
+        kwargs: dict[str, Any] = {"thinking": thinking, "preserve_thinking": preserve_thinking}
+        if prepared.typescript is not None:
+            kwargs["tools_ts_str"] = prepared.typescript
+        return render_jinja(self._compiled, messages, prepared.tools or None, add_generation_prompt, **kwargs)
 
     def encode(self, tokenizer, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
-               legacy: bool = False) -> list[int]:
+               legacy: bool = False, *, thinking: bool | None = None,
+               preserve_thinking: bool | None = None) -> list[int]:
         """Prompt ids: template control tokens become single ids; client text never does.
 
         Client strings are rendered a second time with the first character of every control token (``<``, ``[``)
         replaced by an unused private-use character, so every control-token string left in that render was written
         by the template. The real render is split at those positions; the text between is encoded with special
-        tokens treated as text.
+        tokens treated as text. Tools are prepared (sorted, TypeScript-encoded) once, before that replacement, so
+        both renders declare them in the same order and the whole declaration counts as client text. Dynamic tools
+        become their ``tool_declare`` turns the same way, once, before the replacement (their bodies are client text).
         """
-        text = self.render(messages, tools, add_generation_prompt)
+        messages = expand_dynamic_tools(self.dialect, messages)
+        prepared = prepare_tools(self.dialect, tools)
+        text = self._render_prepared(messages, prepared, add_generation_prompt, thinking, preserve_thinking)
         if legacy:
             return tokenizer.encode(text, allow_special_tokens=True)
         starts = sorted({token[0] for token in tokenizer.special_ids})
         sentinels = _pick_sentinels(text, len(starts))
         hide = {ord(c): s for c, s in zip(starts, sentinels)}
         unhide = {ord(s): c for c, s in zip(starts, sentinels)}
-        marked = self.render(_translate_strings(messages, hide), _translate_strings(tools, hide), add_generation_prompt)
+        marked = self._render_prepared(_translate_strings(messages, hide),
+                                       prepared.translated(lambda value: _translate_strings(value, hide)),
+                                       add_generation_prompt, thinking, preserve_thinking)
         if len(marked) != len(text) or marked.translate(unhide) != text:
             raise ValueError(f"chat template {self.origin} transforms client text; cannot separate control tokens")
         ids: list[int] = []
@@ -200,12 +275,13 @@ class ChatTemplate:
 
 
 def render_prompt(messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
-                  template: str | ChatTemplate | None = None) -> str:
-    """Render a chat prompt: built-in K2 format when ``template`` is None, else the given jinja template."""
+                  template: str | ChatTemplate | None = None, *, dialect: ChatDialect | str | None = None,
+                  thinking: bool | None = None, preserve_thinking: bool | None = None) -> str:
+    """Render a chat prompt: the built-in format (of ``dialect``, K2-Instruct's by default) when ``template`` is
+    None, else the given jinja template."""
     if template is None:
-        return render_builtin(messages, tools, add_generation_prompt)
-    if isinstance(template, str):
-        template = ChatTemplate(source=template, origin="<string>")
-    return template.render(messages, tools, add_generation_prompt)
-
-
+        template = ChatTemplate(dialect=dialect)
+    elif isinstance(template, str):
+        template = ChatTemplate(source=template, origin="<string>", dialect=dialect)
+    return template.render(messages, tools, add_generation_prompt, thinking=thinking,
+                           preserve_thinking=preserve_thinking)

@@ -101,7 +101,8 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer")
         if self._chat_template is None:
-            self._chat_template = ChatTemplate.load(self.engine.model_dir)
+            self._chat_template = ChatTemplate.load(self.engine.model_dir,
+                                                    dialect=self.engine.model_config.chat_dialect)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self._chat_template.encode(self.tokenizer, normalize_tool_call_ids(list(conv)), tools=tools)
