@@ -208,10 +208,12 @@ class LLMEngine:
         return request
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers, if any (the engine is unusable afterwards)."""
+        """Stop tensor-parallel workers, if any, and free the model and KV cache (the engine is unusable
+        afterwards)."""
         if self.tp_workers is not None:
             self.tp_workers.shutdown()
             self.tp_workers = None
+        self.runner.release()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

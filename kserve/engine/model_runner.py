@@ -256,6 +256,14 @@ class ModelRunner:
             self.capture_decode_graphs()
 
     # ------------------------------------------------------------------ step preparation (host)
+    def release(self) -> None:
+        """Free the KV cache, captured graphs and the model (the engine is shutting down): a process that builds
+        engines one after another (tests, benchmarks) must not keep each one's cache."""
+        self.graphs = {}
+        self.static = None
+        self.kv_cache = torch.empty(0, device=self.device)
+        self.model = None
+
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
         """Flatten a step's scheduled sequences into StepInputs, decodes first."""
         order = list(enumerate(scheduled))

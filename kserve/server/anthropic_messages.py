@@ -7,8 +7,12 @@ content blocks, `stop_reason`, usage, errors and the event stream.
 
 - `tool_choice` `any` is chat's `required`, `tool` is a named function, `disable_parallel_tool_use` is
   `parallel_tool_calls: false`.
-- `thinking` blocks in the history become the assistant turn's `reasoning_content` (rendered by a K2-Thinking
-  template); generated reasoning (under `--enable-reasoning`) comes back as a `thinking` block.
+- `thinking` (`enabled` / `disabled`; `adaptive` is the model's default) is the chat template's thinking switch
+  (kserve.server.thinking); `budget_tokens` is accepted but not enforced (`max_tokens` bounds the whole turn).
+- `thinking` blocks in the history become the assistant turn's `reasoning_content` (rendered where the template
+  keeps reasoning); generated reasoning comes back as a `thinking` block before the text and tool_use blocks
+  (streamed as `thinking_delta`s). Its `signature` is always the empty string: there is nothing to verify, and
+  a signature sent back in the history is ignored.
 - usage follows Anthropic: `input_tokens` excludes the prompt tokens read from the prefix cache, which are
   `cache_read_input_tokens` (their sum is the prompt length, what count_tokens returns).
 """
@@ -40,6 +44,7 @@ from kserve.server.errors import APIError, stream_failure
 from kserve.server.protocol import ChatCompletionRequest
 from kserve.server.serving_chat import PreparedChat, prepare_chat
 from kserve.server.sse import sse_typed_event
+from kserve.server.thinking import thinking_body
 from kserve.server.validation import reject_unsupported, schema_problem
 
 logger = logging.getLogger("kserve.server")
@@ -55,6 +60,7 @@ _SERVER_BLOCKS = ("server_tool_use", "web_search_tool_result", "web_fetch_tool_r
                   "code_execution_tool_result", "bash_code_execution_tool_result",
                   "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result")
 _STRUCTURED_OUTPUT_NAME = "output"
+_THINKING_SWITCH: Mapping[str, bool | None] = MappingProxyType({"enabled": True, "disabled": False, "adaptive": None})
 _NOT_ID_CHARS = re.compile(r"[^A-Za-z0-9_-]")
 
 
@@ -220,6 +226,8 @@ def _chat_tool_choice(choice: AnthropicToolChoice, has_tools: bool) -> str | dic
 def chat_body(req: CountTokensRequest) -> dict[str, Any]:
     """The chat-completions body this request means (sampling fields only for a MessagesRequest)."""
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req)}
+    if req.thinking is not None:
+        body.update(thinking_body(_THINKING_SWITCH[req.thinking.type]))
     tools = chat_tools(req)
     if tools is not None:
         body["tools"] = tools

@@ -163,6 +163,9 @@ class ServerState:
         if self.context is not None:
             with contextlib.suppress(Exception):
                 await self.context.engine.shutdown()
+            # FastAPI's dependency cache keeps the route closures (and so this state) alive after the app stops;
+            # dropping the context lets the model's weights go with the server.
+            self.context = None
 
 
 class BodyLimitMiddleware:
@@ -404,7 +407,8 @@ async def load_serving_context(settings: ServerSettings, metrics: ServerMetrics)
     try:
         await engine.start()
         stage = "chat template"
-        template = await asyncio.to_thread(ChatTemplate.load, engine.model_dir, settings.chat_template)
+        template = await asyncio.to_thread(ChatTemplate.load, engine.model_dir, settings.chat_template,
+                                           dialect=engine.model_config.chat_dialect)
         name = settings.served_model_name or Path(engine.model_dir).name
         grammar = None
         if settings.guided_decoding:

@@ -7,14 +7,18 @@ prompt whichever API carried it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kserve.chat import normalize_tool_call_ids
 from kserve.server.context import ServingContext
 from kserve.server.errors import bad_request
 from kserve.server.protocol import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
+from kserve.server.thinking import ReasoningMode, ThinkingSwitch, reasoning_mode, requested_thinking
+from kserve.server.tool_contract import callable_tools
 from kserve.server.validation import (
+    ROLE_ALIASES,
+    ROLE_ALIASES_KEEPING_DEVELOPER,
     check_chat_request,
     normalize_messages,
     normalize_tools,
@@ -28,9 +32,12 @@ class RenderedChat:
     """A checked conversation and the prompt ids the chat template encodes it to."""
 
     messages: list[dict[str, Any]]
+    # Every tool the model may call: the request's `tools`, then the system messages' dynamic tools, in order.
     tools: list[dict[str, Any]] | None
     tool_choice: str | dict[str, Any]  # 'none' | 'auto' | 'required' | {"type": "function", "function": {...}}
     prompt_ids: list[int]
+    thinking: ThinkingSwitch = field(default_factory=ThinkingSwitch)  # as the request set it (None: default)
+    reasoning: ReasoningMode = field(default_factory=ReasoningMode)  # how the output is split
 
 
 def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None,
@@ -46,13 +53,19 @@ def render_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, 
     reject_unsupported(raw, UNSUPPORTED_CHAT_FIELDS)
     ctx.check_model(req.model)
     check_chat_request(req)
-    messages = normalize_tool_call_ids(normalize_messages(req.messages))
+    thinking = requested_thinking(req)
+    dialect = ctx.template.dialect
+    # kserve's K2 format maps `developer` to system; the thinking generations get roles as sent (Moonshot's wrapper).
+    aliases = ROLE_ALIASES if dialect.aliases_reasoning_fields else ROLE_ALIASES_KEEPING_DEVELOPER
+    messages = normalize_tool_call_ids(normalize_messages(req.messages, role_aliases=aliases))
     tools = normalize_tools(req.tools, raw.get("tools"))
-    tool_choice = resolve_tool_choice(req.tool_choice, tools)
+    all_tools = callable_tools(messages, tools)  # dynamic tools count for tool_choice, grammar and parsing
+    tool_choice = resolve_tool_choice(req.tool_choice, all_tools)
     try:
         prompt_ids = ctx.template.encode(ctx.tokenizer, messages, tools=tools or None,
                                          add_generation_prompt=add_generation_prompt,
-                                         legacy=ctx.settings.legacy_prompt_encoding)
+                                         legacy=ctx.settings.legacy_prompt_encoding, **thinking.template_kwargs())
     except (ValueError, TypeError, KeyError) as exc:
         raise bad_request(f"could not render the conversation with the chat template: {exc}", "messages") from None
-    return RenderedChat(messages, tools, tool_choice, prompt_ids)
+    return RenderedChat(messages, all_tools, tool_choice, prompt_ids, thinking,
+                        reasoning_mode(dialect, thinking, ctx.settings.enable_reasoning))

@@ -38,6 +38,7 @@ class ServerSettings:
     skip_self_check: bool = False
     enable_reasoning: bool = False
     legacy_prompt_encoding: bool = False
+    force_include_usage: bool = False  # every stream ends with usage, as if stream_options asked for it
     log_level: str = "info"
     exit_on_engine_death: bool = True  # `kserve serve` exits non-zero once the engine is dead
     responses_store_size: int = 1000  # finished /v1/responses kept for previous_response_id and GET; 0 = off

@@ -6,16 +6,27 @@
 - `tool_choice` `auto`: free text, but an opened section may only call the request's tools with
   arguments matching their schemas (`--tool-grammar off` lifts this, except for `strict: true` tools).
 - `tool_choice` `none`, or `--guided-decoding off`: unconstrained.
+
+Under thinking (the prompt ends inside `<think>`), each of these applies after the reasoning: `AfterReasoning`
+leaves the reasoning free up to the model's `</think>` and only then hands the tokens to the grammar. While
+reasoning, the stop tokens and the tool-call markers are masked, so reasoning ends at `</think>` (never at a stop
+token, which would skip the constrained answer, nor in a tool-call section the grammar did not see); max_tokens
+still ends a request whose reasoning never does.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from kserve.chat.grammar import CompiledGrammar, GrammarError, GrammarSpec
+from kserve.chat.markers import THINK_BEGIN, THINK_END, TOOL_MARKER_TOKENS
 from kserve.server.errors import bad_request
 from kserve.server.protocol import ResponseFormat
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 
 def grammar_spec(
@@ -56,3 +67,91 @@ async def compile_grammar(compiler: Any, spec: GrammarSpec | None) -> CompiledGr
     except GrammarError as exc:
         param = "response_format" if spec.kind != "tools" else "tools"
         raise bad_request(str(exc), param, "invalid_schema") from None
+
+
+class _AfterReasoningMatcher:
+    """One sequence's constraint (the engine's TokenConstraint): free reasoning, `</think>`, then the grammar."""
+
+    def __init__(self, guided: AfterReasoning) -> None:
+        self._guided = guided
+        self._grammar = guided.grammar.make_constraint()
+        self._reasoning_tokens = 0  # accepted while reasoning, `</think>` included
+        self._grammar_tokens = 0  # accepted by the grammar since
+        self._reasoning = True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._reasoning:
+            bitmask[row] = self._guided.reasoning_row(bitmask.shape[1])
+        else:
+            self._grammar.fill_bitmask(bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        if not self._reasoning:
+            accepted = self._grammar.accept_token(token_id)
+            self._grammar_tokens += int(accepted)
+            return accepted
+        if token_id in self._guided.masked_while_reasoning:
+            return False
+        self._reasoning_tokens += 1
+        self._reasoning = token_id != self._guided.think_end_id
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        undo_grammar = min(num_tokens, self._grammar_tokens)
+        self._grammar.rollback(undo_grammar)
+        self._grammar_tokens -= undo_grammar
+        undo_reasoning = min(num_tokens - undo_grammar, self._reasoning_tokens)
+        if undo_reasoning:  # back before `</think>`: reasoning again
+            self._reasoning_tokens -= undo_reasoning
+            self._reasoning = True
+
+    def is_terminated(self) -> bool:
+        return not self._reasoning and self._grammar.is_terminated()
+
+
+class AfterReasoning:
+    """A compiled grammar that starts after the reasoning: what `SamplingParams.guided` holds under thinking."""
+
+    def __init__(self, grammar: CompiledGrammar, think_end_id: int, masked_while_reasoning: Iterable[int]) -> None:
+        self.grammar = grammar
+        self.think_end_id = think_end_id
+        self.masked_while_reasoning = frozenset(masked_while_reasoning) - {think_end_id}
+        self._rows: dict[int, torch.Tensor] = {}  # bitmask width -> the reasoning row
+
+    @property
+    def spec(self) -> GrammarSpec:
+        return self.grammar.spec
+
+    def reasoning_row(self, width: int) -> torch.Tensor:
+        """A bitmask row allowing every token but the masked ones (computed once per width)."""
+        row = self._rows.get(width)
+        if row is None:
+            import torch
+
+            words = [0xFFFFFFFF] * width
+            for token_id in self.masked_while_reasoning:
+                if token_id < 32 * width:
+                    words[token_id // 32] &= ~(1 << (token_id % 32)) & 0xFFFFFFFF
+            # int32 keeping the bit pattern (bit 31 is the sign bit)
+            row = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+            self._rows[width] = row
+        return row
+
+    def make_constraint(self) -> _AfterReasoningMatcher:
+        return _AfterReasoningMatcher(self)
+
+
+def after_reasoning(grammar: CompiledGrammar | None, tokenizer: Any, starts_in_reasoning: bool
+                    ) -> CompiledGrammar | AfterReasoning | None:
+    """`grammar` as the request needs it: after the reasoning when its output starts inside `<think>`.
+
+    A tokenizer without a single `</think>` token cannot say where reasoning ends: the grammar then applies from
+    the first token (the reasoning parser ends reasoning at the tool-call section it opens).
+    """
+    think_end_id = tokenizer.special_ids.get(THINK_END)
+    if grammar is None or not starts_in_reasoning or think_end_id is None:
+        return grammar
+    masked = [*tokenizer.stop_token_ids, *(tokenizer.special_ids[m] for m in TOOL_MARKER_TOKENS)]
+    if THINK_BEGIN in tokenizer.special_ids:  # reasoning is already open
+        masked.append(tokenizer.special_ids[THINK_BEGIN])
+    return AfterReasoning(grammar, think_end_id, masked)

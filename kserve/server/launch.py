@@ -58,6 +58,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         skip_self_check=args.skip_self_check,
         enable_reasoning=args.enable_reasoning,
         legacy_prompt_encoding=args.legacy_prompt_encoding,
+        force_include_usage=getattr(args, "enable_force_include_usage", False),
         log_level=args.log_level,
         exit_on_engine_death=getattr(args, "exit_on_engine_death", True),
         responses_store_size=getattr(args, "responses_store_size", 1000),

@@ -5,6 +5,11 @@ it) are translated into a chat-completions body and prepared by `prepare_chat`: 
 (`text.format` is chat's `response_format`), sampling and tool parser. Only the wire format differs: output
 items, status, usage and the typed event stream with `sequence_number`s.
 
+`reasoning.effort` is the chat template's thinking switch, as OpenAI means it: `"none"` turns thinking off, any
+other effort turns it on, and no effort leaves the model's default (on from K2.5); the effort's size is not
+modelled. Reasoning comes back as a `reasoning` item (its text in `content` as `reasoning_text`, `summary`
+empty) before the message and function_call items.
+
 Conversation mapping: `instructions` is the system turn (those of a previous response are not carried over,
 as OpenAI does); consecutive reasoning / assistant message / function_call items make one assistant turn;
 `function_call_output` is a tool turn and must answer an earlier `function_call`'s `call_id`.
@@ -36,11 +41,13 @@ from kserve.server.responses_protocol import (
 from kserve.server.responses_store import ResponseStore, StoredResponse
 from kserve.server.serving_chat import PreparedChat, prepare_chat
 from kserve.server.sse import sse_typed_event
+from kserve.server.thinking import thinking_body
 from kserve.server.validation import reject_unsupported, schema_problem
 
 logger = logging.getLogger("kserve.server")
 
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+NO_REASONING_EFFORT = "none"  # OpenAI's effort for "do not reason"
 _TEXT_PARTS = ("input_text", "output_text")
 _MEDIA_PARTS: Mapping[str, str] = MappingProxyType({
     "input_image": "image input is not supported (this model takes text only)",
@@ -225,6 +232,9 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
 
 def chat_body(req: ResponsesRequest, conversation: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req.instructions, conversation)}
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    if effort is not None:
+        body.update(thinking_body(effort != NO_REASONING_EFFORT))
     tools = chat_tools(req)
     if tools is not None:
         body["tools"] = tools

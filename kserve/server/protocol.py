@@ -66,6 +66,10 @@ class ChatMessage(StrictRequest):
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # what K2.6 / K2.7-Code templates read first (and what this server returns too)
+    # Dynamic tools (Moonshot's extension): a system message's own tools. Kept as sent, so that the checks in
+    # kserve.chat.dynamic_tools name each problem exactly (a typed field would give pydantic's generic errors).
+    tools: Any = None
 
 
 class FunctionDefinition(StrictRequest):
@@ -99,6 +103,11 @@ class JsonSchemaFormat(StrictRequest):
 class ResponseFormat(StrictRequest):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+
+class ThinkingToggle(StrictRequest):
+    """Moonshot's `thinking` body field: the chat template's `thinking` switch (kserve.server.thinking)."""
+    type: Literal["enabled", "disabled"]
 
 
 class StreamOptions(StrictRequest):
@@ -135,6 +144,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's template arguments; `thinking` / `preserve_thinking` are read, other keys ignored (kserve.server.thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking: ThinkingToggle | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -193,6 +205,7 @@ class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # the same text as reasoning_content (vLLM's newer name; K2.6 templates read it)
     tool_calls: list[ToolCall] | None = None
 
 
@@ -229,6 +242,7 @@ class ChatDelta(_Response):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # the same text as reasoning_content
     tool_calls: list[ToolCallDeltaOut] | None = None
 
 

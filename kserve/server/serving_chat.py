@@ -17,7 +17,6 @@ from kserve.chat import (
     StreamingToolParser,
     ToolCallDelta,
     parse_tool_output,
-    split_reasoning,
 )
 from kserve.chat import ToolCall as ParsedToolCall
 from kserve.engine.errors import PromptRejected
@@ -29,7 +28,7 @@ from kserve.server.context import (
     new_request_id,
 )
 from kserve.server.errors import APIError, logged_stream_failure
-from kserve.server.guided import compile_grammar, grammar_spec
+from kserve.server.guided import after_reasoning, compile_grammar, grammar_spec
 from kserve.server.logprobs import chat_logprobs
 from kserve.server.outcome import client_gone, finish_reason, unfinished, usage_info
 from kserve.server.protocol import (
@@ -48,6 +47,8 @@ from kserve.server.protocol import (
 )
 from kserve.server.sampling import build_sampling_params, fit_max_tokens
 from kserve.server.sse import sse_done, sse_error, sse_event
+from kserve.server.thinking import ReasoningMode, think_end_is_skipped
+from kserve.server.tool_contract import tool_marker_ban
 from kserve.server.validation import normalize_stop, schema_dialect, tool_schema
 
 logger = logging.getLogger("kserve.server")
@@ -65,6 +66,7 @@ class PreparedChat:
     parse_tools: bool  # tools were given and tool_choice != "none"
     top_logprobs: int
     max_calls: int | None = None  # 1 under parallel_tool_calls=false: later calls are dropped
+    reasoning: ReasoningMode = field(default_factory=ReasoningMode)  # how the output splits into reasoning
 
     def kept(self, calls: list[ParsedToolCall]) -> list[ParsedToolCall]:
         return calls if self.max_calls is None else calls[: self.max_calls]
@@ -81,18 +83,22 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dic
         req.response_format, tools, tool_choice, req.parallel_tool_calls,
         guided_decoding=ctx.settings.guided_decoding, tool_grammar=ctx.settings.tool_grammar,
     )
-    guided = await compile_grammar(ctx.grammar, spec)
+    # Under thinking the grammar constrains what follows the reasoning, never the reasoning itself.
+    guided = after_reasoning(await compile_grammar(ctx.grammar, spec), ctx.tokenizer,
+                             rendered.reasoning.starts_in_reasoning)
+    guided = tool_marker_ban(ctx, parse_tools, guided)  # no callable tools: the tool-call markers are masked
     top_logprobs = req.top_logprobs or 0
     params = build_sampling_params(
         req, max_tokens=max_tokens, stop=normalize_stop(req.stop),
         logprobs=top_logprobs if req.logprobs else None,
-        # K2's tool markers are special tokens; the parser needs them in the text.
-        skip_special_tokens=not parse_tools,
+        # K2's tool markers are special tokens; the parser needs them in the text (and `</think>`, where the
+        # tokenizer marks it special: K2.5 / K2.6 do not).
+        skip_special_tokens=not (parse_tools or (rendered.reasoning.parse and think_end_is_skipped(ctx.tokenizer))),
         vocab_size=ctx.vocab_size, guided=guided,
     )
     ctx.validate_prompt(prompt_ids, params, "messages")
     return PreparedChat(new_request_id("chatcmpl"), req, prompt_ids, params, tools, parse_tools, top_logprobs,
-                        max_calls=1 if req.parallel_tool_calls is False else None)
+                        max_calls=1 if req.parallel_tool_calls is False else None, reasoning=rendered.reasoning)
 
 
 # ----------------------------------------------------------------------------- tool-call checks
@@ -180,10 +186,7 @@ async def run_chat(ctx: ServingContext, prep: PreparedChat, request: Any) -> Cha
 def parse_choice(ctx: ServingContext, prep: PreparedChat, output: Any
                  ) -> tuple[str | None, str, list[ParsedToolCall], str]:
     """(reasoning or None, visible text, checked calls, finish reason) of a finished choice; counts the finish."""
-    text = output.text
-    reasoning = None
-    if ctx.settings.enable_reasoning:
-        reasoning, text = split_reasoning(text)
+    reasoning, text = prep.reasoning.split(output.text)
     calls: list[ParsedToolCall] = []
     if prep.parse_tools:
         parsed = parse_tool_output(text, prep.tools)
@@ -199,6 +202,7 @@ def _chat_choice(ctx: ServingContext, prep: PreparedChat, output: Any) -> ChatCh
     message = AssistantMessage(
         content=text if (text or not calls) else None,
         reasoning_content=reasoning,
+        reasoning=reasoning,
         tool_calls=[_tool_call_out(c) for c in calls] or None,
     )
     logprobs = None
@@ -228,7 +232,7 @@ class ChoiceStream:
         return cls(
             index=index,
             tool_parser=StreamingToolParser(prep.tools) if prep.parse_tools else None,
-            reasoning_parser=StreamingReasoningParser() if ctx.settings.enable_reasoning else None,
+            reasoning_parser=prep.reasoning.parser(),
             max_calls=prep.max_calls,
         )
 
@@ -255,7 +259,7 @@ class ChoiceStream:
                 for call in self.calls():
                     if not self.args_sent.get(call.index):
                         self._merge_call_delta(calls, ToolCallDelta(index=call.index, arguments=NO_ARGUMENTS))
-        delta.reasoning_content = reasoning or None
+        delta.reasoning_content = delta.reasoning = reasoning or None
         delta.content = content or None
         delta.tool_calls = calls or None
         return delta
@@ -294,7 +298,8 @@ def _delta_is_empty(delta: ChatDelta) -> bool:
 
 async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[str]:
     """SSE events for one request. Abandoning the iterator (client gone) aborts the engine request."""
-    include_usage = bool(prep.req.stream_options and prep.req.stream_options.include_usage)
+    include_usage = bool(prep.req.stream_options and prep.req.stream_options.include_usage
+                         or ctx.settings.force_include_usage)  # --enable-force-include-usage
     rid, model, created = prep.request_id, ctx.model_name, int(time.time())
 
     def chunk(choice: ChatChunkChoice) -> str:

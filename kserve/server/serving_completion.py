@@ -197,7 +197,8 @@ async def run_completion(ctx: ServingContext, prep: PreparedCompletion, request:
 
 async def stream_completion(ctx: ServingContext, prep: PreparedCompletion) -> AsyncIterator[str]:
     req, rid, model, created = prep.req, prep.request_id, ctx.model_name, int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage
+                         or ctx.settings.force_include_usage)  # --enable-force-include-usage
     text_sent: dict[int, int] = {}
     tokens_sent: dict[int, int] = {}
     finals: list[Any] = [None] * len(prep.prompts)

@@ -1,7 +1,8 @@
 """`POST /tokenize` and `POST /detokenize` in vLLM's shapes.
 
 `/tokenize` takes either a completion `prompt` (encoded as `/v1/completions` encodes it: K2's special tokens
-recognized) or chat `messages` (+ `tools`, `add_generation_prompt`), checked and rendered exactly as
+recognized) or chat `messages` (+ `tools`, `add_generation_prompt`, and the thinking switch: `chat_template_kwargs`
+`thinking` / `preserve_thinking` or Moonshot's `thinking` field), checked and rendered exactly as
 `/v1/chat/completions` renders them, and answers `{"count", "max_model_len", "tokens"}` (+ `token_strs`).
 """
 
@@ -20,6 +21,7 @@ class TokenizeRequest(StrictRequest):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # read by the chat rendering, as chat completions reads it
     return_token_strs: bool = False
 
 

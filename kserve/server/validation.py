@@ -28,8 +28,13 @@ from kserve.server.protocol import (
 
 # `_input` is the K2 vendor verifier's resource role; its client rewrites it to system/"resource".
 ROLE_ALIASES = MappingProxyType({"developer": ("system", None), "_input": ("system", "resource")})
+# Moonshot's wrapper hands K2-Thinking-on templates the roles as sent: `developer` renders under its own name.
+ROLE_ALIASES_KEEPING_DEVELOPER = MappingProxyType({"_input": ROLE_ALIASES["_input"]})
 ROLES = ("system", "user", "assistant", "tool")
-TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+# Letters and digits of any script (Kimi's own tool names may be Chinese), '_', '.', '-'.
+TOOL_NAME_RE = re.compile(r"[\w.\-]{1,64}")
+# Reasoning keys of an assistant message; one sent as null is kept (Moonshot's templates print it as "None").
+REASONING_FIELDS = ("reasoning_content", "reasoning")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
 
@@ -51,17 +56,19 @@ def normalize_stop(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Validated messages as plain dicts for the chat template (aliases resolved, None fields dropped)."""
+def normalize_messages(messages: list[ChatMessage], *,
+                       role_aliases: Mapping[str, tuple[str, str | None]] = ROLE_ALIASES) -> list[dict[str, Any]]:
+    """Validated messages as plain dicts for the chat template (aliases resolved, None fields dropped but for
+    reasoning keys sent as null)."""
     if not messages:
         raise bad_request("'messages' must contain at least one message", "messages", "empty_messages")
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         role, default_name = msg.role, None
-        if role in ROLE_ALIASES:
-            role, default_name = ROLE_ALIASES[role]
-        if role not in ROLES:
+        if role in role_aliases:
+            role, default_name = role_aliases[role]
+        if role not in ROLES and role not in ROLE_ALIASES:  # an alias left as sent keeps its name
             allowed = ", ".join(ROLES + tuple(ROLE_ALIASES))
             raise bad_request(f"{where}.role {msg.role!r} is not one of: {allowed}", f"{where}.role", "invalid_role")
         item: dict[str, Any] = {"role": role}
@@ -69,6 +76,8 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if name is not None:
             item["name"] = name
         item["content"] = _content(msg, where, role)
+        if msg.tools is not None:  # dynamic tools: checked with the request's tools (kserve.server.tool_contract)
+            item["tools"] = msg.tools
         if msg.tool_calls:
             if role != "assistant":
                 raise bad_request(f"{where}: only assistant messages may carry 'tool_calls'", f"{where}.tool_calls")
@@ -78,8 +87,10 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 raise bad_request(f"{where}: a tool message needs 'tool_call_id'", f"{where}.tool_call_id",
                                   "missing_required_parameter")
             item["tool_call_id"] = msg.tool_call_id
-        if msg.reasoning_content is not None and role == "assistant":
-            item["reasoning_content"] = msg.reasoning_content
+        if role == "assistant":
+            for key in REASONING_FIELDS:
+                if key in msg.model_fields_set:
+                    item[key] = getattr(msg, key)
         if role == "user" and item["content"] is None:
             raise bad_request(f"{where}: a user message needs 'content'", f"{where}.content",
                               "missing_required_parameter")
@@ -220,8 +231,8 @@ def normalize_tools(tools: list[ToolDefinition] | None, raw_tools: Any) -> list[
         if tool.type != "function":
             raise bad_request(f"{where}.type must be 'function', got {tool.type!r}", f"{where}.type")
         name = tool.function.name
-        if not TOOL_NAME_RE.match(name):
-            raise bad_request(f"{where}.function.name {name!r} must be 1-64 characters of a-z, A-Z, 0-9, "
+        if not TOOL_NAME_RE.fullmatch(name):
+            raise bad_request(f"{where}.function.name {name!r} must be 1-64 characters of letters, digits, "
                               "'_', '-' or '.'", f"{where}.function.name", "invalid_tool_name")
         if name in seen:
             raise bad_request(f"{where}: duplicate tool name {name!r}", f"{where}.function.name", "duplicate_tool")

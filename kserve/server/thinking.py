@@ -1,0 +1,102 @@
+"""Thinking per request: the switch a request sets on the chat template, and how its output is split.
+
+Every chat-shaped API lands on the same two template arguments, `thinking` and `preserve_thinking` (None: the
+dialect's default, as Moonshot's tokenizer wrapper has it: thinking on, reasoning of earlier answers dropped):
+
+- chat completions and `/tokenize`: vLLM's `chat_template_kwargs` (`thinking`, `preserve_thinking`: booleans or
+  null; other keys are ignored, as vLLM ignores what a template does not read) and Moonshot's own body field
+  `thinking: {"type": "enabled" | "disabled"}`; both may be sent if they agree;
+- Anthropic Messages: `thinking: {"type": "enabled", ...}` / `{"type": "disabled"}` (`adaptive`: the default);
+- Responses: `reasoning.effort` `"none"` turns thinking off, any other effort turns it on, no effort is the default.
+
+K2.5 and K2.6 honour the switch (`<think>` or `<think></think>` ends the prompt); K2-Instruct, K2-Thinking and
+K2.7-Code have none (the template ignores it, as Moonshot's does), so it is accepted and changes nothing there.
+
+Output split: a request whose prompt ends inside `<think>` (`ChatDialect.starts_in_reasoning`) is parsed as
+reasoning from its first token, whatever `--enable-reasoning` says; the flag still turns the split on for
+templates that do not open `<think>` themselves (K2-Thinking's model opens it), unless the request turned thinking
+off on a template that honours it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kserve.chat import ChatDialect, StreamingReasoningParser, split_reasoning
+from kserve.chat.markers import THINK_END
+from kserve.server.errors import bad_request
+from kserve.server.protocol import ChatCompletionRequest
+
+TEMPLATE_SWITCHES = ("thinking", "preserve_thinking")
+
+
+@dataclass(frozen=True)
+class ThinkingSwitch:
+    """The chat template's thinking arguments one request sets; None leaves the dialect's default."""
+
+    thinking: bool | None = None
+    preserve_thinking: bool | None = None
+
+    def template_kwargs(self) -> dict[str, bool | None]:
+        return {"thinking": self.thinking, "preserve_thinking": self.preserve_thinking}
+
+
+def requested_thinking(req: ChatCompletionRequest) -> ThinkingSwitch:
+    """The switch a chat request sets through `chat_template_kwargs` and `thinking`; a 400 for a non-boolean
+    value or for the two fields disagreeing."""
+    values: dict[str, bool | None] = {name: None for name in TEMPLATE_SWITCHES}
+    for name in TEMPLATE_SWITCHES:
+        value: Any = (req.chat_template_kwargs or {}).get(name)
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(f"'chat_template_kwargs.{name}' must be a boolean, got {value!r}",
+                              f"chat_template_kwargs.{name}", "invalid_type")
+        values[name] = value
+    if req.thinking is not None:
+        toggled = req.thinking.type == "enabled"
+        if values["thinking"] is not None and values["thinking"] != toggled:
+            raise bad_request(f"'thinking.type' is {req.thinking.type!r} but 'chat_template_kwargs.thinking' is "
+                              f"{str(values['thinking']).lower()}; send one, or make them agree", "thinking")
+        values["thinking"] = toggled
+    return ThinkingSwitch(**values)
+
+
+def thinking_body(enabled: bool | None) -> dict[str, Any]:
+    """Moonshot's `thinking` body field for a chat body built from another API (empty: the default)."""
+    return {} if enabled is None else {"thinking": {"type": "enabled" if enabled else "disabled"}}
+
+
+@dataclass(frozen=True)
+class ReasoningMode:
+    """Whether a request's output is split into reasoning and answer, and whether it starts as reasoning."""
+
+    parse: bool = False
+    starts_in_reasoning: bool = False
+
+    def parser(self) -> StreamingReasoningParser | None:
+        return StreamingReasoningParser(starts_in_reasoning=self.starts_in_reasoning) if self.parse else None
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning or None, answer) of a whole output; None when not parsing or no reasoning block was seen."""
+        if not self.parse:
+            return None, text
+        return split_reasoning(text, starts_in_reasoning=self.starts_in_reasoning)
+
+
+def reasoning_mode(dialect: ChatDialect, switch: ThinkingSwitch, enable_reasoning: bool) -> ReasoningMode:
+    """How a request's output is split: always when its prompt opened `<think>`, else as `--enable-reasoning` says."""
+    starts = dialect.starts_in_reasoning(switch.thinking)
+    # thinking=false on a template that honours it: the prompt closed the block, so there is no reasoning to find.
+    turned_off = switch.thinking is False and has_thinking_switch(dialect)
+    return ReasoningMode(parse=starts or (enable_reasoning and not turned_off), starts_in_reasoning=starts)
+
+
+def has_thinking_switch(dialect: ChatDialect) -> bool:
+    """Whether `thinking` changes this dialect's generation prompt (K2.5, K2.6)."""
+    return dialect.prefill(True) != dialect.prefill(False)
+
+
+def think_end_is_skipped(tokenizer: Any) -> bool:
+    """Whether skip_special_tokens would drop `</think>` from the text (then reasoning could never end)."""
+    token_id = tokenizer.special_ids.get(THINK_END)
+    return token_id is not None and tokenizer.is_skippable(token_id)
