@@ -7,11 +7,12 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3", "kimi_k25")
 # Multimodal wrappers whose text model sits under `text_config` and whose text tensors carry a prefix.
-_WRAPPER_TEXT_PREFIX = {"kimi_k25": "language_model."}
+_WRAPPER_TEXT_PREFIX = MappingProxyType({"kimi_k25": "language_model."})
 # The chat dialect (kserve.chat.dialect) of a checkpoint that ships no template: K2.5 / K2.6 / K2.7-Code share
 # the kimi_k25 wrapper (K2.6's format stands for them), K2-Thinking is kimi_k2 with INT4 experts.
 CHAT_DIALECT_KIMI_K25 = "k2.6"
@@ -108,7 +109,7 @@ class Int4ExpertQuant:
         weights = group.get("weights") or {}
         for key, expected in (("num_bits", 4), ("type", "int"), ("symmetric", True), ("strategy", "group"),
                               ("group_size", INT4_GROUP_SIZE), ("dynamic", False)):
-            if weights.get(key, expected) != expected:
+            if weights.get(key) != expected and not (key == "dynamic" and key not in weights):
                 raise cls._refuse(f"{where}.weights.{key}", weights.get(key), repr(expected))
         if weights.get("actorder"):
             raise cls._refuse(f"{where}.weights.actorder", weights["actorder"], "null (no activation reordering)")

@@ -82,8 +82,13 @@ def _fp8_block_64(q: dict) -> None:
     q.update(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[64, 64])
 
 
+def _without_num_bits(q: dict) -> None:
+    del q["config_groups"]["group_0"]["weights"]["num_bits"]
+
+
 REFUSALS = [
     ("group size 64", _with_weights(group_size=64), "group_size", "64"),
+    ("no num_bits", _without_num_bits, "num_bits", "None"),
     ("asymmetric with zero points", _with_weights(symmetric=False), "symmetric", "False"),
     ("8-bit weights", _with_weights(num_bits=8), "num_bits", "8"),
     ("channel strategy", _with_weights(strategy="channel"), "strategy", "channel"),
@@ -244,3 +249,29 @@ def test_each_rank_reads_only_its_own_packed_experts(tiny_k25_dir):
     )
     assert expert_bytes(part) * 2 == expert_bytes(full)
     assert part.load_report.bytes_split > 0 and part.load_report.bytes_read < full.load_report.bytes_read
+
+
+def test_int64_weight_shapes_load_as_compressed_tensors_writes_them(tiny_k25_dir, tmp_path):
+    """compressed-tensors stores `weight_shape` as int64 (make-tiny writes int32, as K2.6's files do)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copy = shutil.copytree(tiny_k25_dir, tmp_path / "i64")
+    for shard in copy.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        save_file({k: v.long() if k.endswith(".weight_shape") else v for k, v in tensors.items()}, str(shard))
+    assert _tensor(copy, "language_model.model.layers.1.mlp.experts.0.up_proj.weight_shape").dtype == torch.int64
+    ours, theirs = load_model(copy), load_model(tiny_k25_dir)
+    assert torch.equal(ours.model.layers[1].mlp.experts.gate_up_proj_packed,
+                       theirs.model.layers[1].mlp.experts.gate_up_proj_packed)
+
+
+def test_every_family_chat_dialect_names_a_dialect(k26_raw):
+    from kserve.chat.dialect import dialect_named
+    from kserve.config import CHAT_DIALECT_K2, CHAT_DIALECT_K2_THINKING, CHAT_DIALECT_KIMI_K25
+
+    for name in (CHAT_DIALECT_K2, CHAT_DIALECT_K2_THINKING, CHAT_DIALECT_KIMI_K25):
+        assert dialect_named(name).name == name
+    assert ModelConfig.from_dict(k26_raw).chat_dialect == CHAT_DIALECT_KIMI_K25
+    assert ModelConfig.from_dict(dict(k26_raw["text_config"], model_type="kimi_k2")).chat_dialect == "k2-thinking"

@@ -511,3 +511,18 @@ def test_draft7_schemas_that_2020_12_rejects_are_accepted(schema):
     assert schema_error(schema) is None
     assert schema_error({"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}) is not None
     assert schema_error({"type": "objekt"}) is not None
+
+
+def test_a_tool_schema_nested_too_deeply_to_render_is_a_400(http):
+    """A `default` nested 700 arrays deep passes the schema checks but no renderer can walk it."""
+    deep: object = 1
+    for _ in range(700):
+        deep = [deep]
+    tool = {"type": "function", "function": {"name": "deep", "parameters": {
+        "type": "object", "properties": {"x": {"type": "array", "default": deep}}}}}
+    body = {"model": MODEL, "messages": OK_MESSAGES, "tools": [tool], "max_tokens": 1}
+    resp = http.post("/v1/chat/completions", content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "messages"
+    assert http.post("/v1/chat/completions", json={"model": MODEL, "messages": OK_MESSAGES, "max_tokens": 1}
+                     ).status_code == 200

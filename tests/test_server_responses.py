@@ -311,3 +311,10 @@ def test_request_counts_are_labelled_by_route_template_not_by_raw_path():
     counts = app.state.server.metrics.requests
     assert {endpoint for endpoint, _ in counts} == {"/v1/responses/{response_id}", "/v1/chat/completions", "unmatched"}
     assert sum(n for (endpoint, _), n in counts.items() if endpoint == "/v1/responses/{response_id}") == 6
+
+
+def test_an_unknown_reasoning_effort_is_a_400(server, ctx):
+    resp = httpx.post(server.base_url + "/v1/responses",
+                      json={"model": ctx.model_name, "input": "hi", "reasoning": {"effort": "hgih"}})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "reasoning.effort"

@@ -93,20 +93,19 @@ def run_render(args, stdin: TextIO, stdout: TextIO) -> int:
         return _run_jsonl(args, model_dir, stdin, stdout)
     try:
         request = parse_request(stdin.read())
-    except RequestError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    template = ChatTemplate.load(model_dir, getattr(args, "chat_template", None), dialect=_family_dialect(model_dir))
-    try:
+        template = ChatTemplate.load(model_dir, getattr(args, "chat_template", None),
+                                     dialect=_family_dialect(model_dir))
         prompt = _render(template, request)
-    except RequestError as exc:
+        ids = None
+        if getattr(args, "ids", False):
+            ids = _encode(template, load_tokenizer(model_dir), request,
+                          bool(getattr(args, "legacy_prompt_encoding", False)))
+    except (RequestError, ValueError, TypeError, KeyError, RecursionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     stdout.write(prompt + "\n")
-    if getattr(args, "ids", False):
-        tokenizer = load_tokenizer(model_dir)
-        stdout.write(json.dumps(_encode(template, tokenizer, request,
-                                        bool(getattr(args, "legacy_prompt_encoding", False)))) + "\n")
+    if ids is not None:
+        stdout.write(json.dumps(ids) + "\n")
     return 0
 
 
@@ -125,7 +124,7 @@ def _run_jsonl(args, model_dir, stdin: TextIO, stdout: TextIO) -> int:
             result: dict[str, Any] = {"prompt": _render(template, request)}
             if want_ids:
                 result["ids"] = _encode(template, tokenizer, request, legacy)
-        except (RequestError, ValueError, TypeError, KeyError) as exc:
+        except (RequestError, ValueError, TypeError, KeyError, RecursionError) as exc:
             result, status = {"error": str(exc)}, 2
         stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
     return status

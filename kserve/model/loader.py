@@ -45,6 +45,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _SAFETENSORS_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "I32": torch.int32,
+    "I64": torch.int64,  # compressed-tensors writes weight_shape as int64
     "BF16": torch.bfloat16,
     "F16": torch.float16,
     "F32": torch.float32,
@@ -318,8 +319,9 @@ def _read_int4(reader: ShardReader, spec: TensorSpec, group_size: int) -> tuple[
             f"int4 shape {spec.shape_name!r} records {recorded.tolist()}, expected {list(spec.logical_shape)}"
         )
     packed = reader.read(spec.name, spec.shape, (torch.int32,), "int4 weight")
+    # bf16 only: the experts hold bf16 scales, and another dtype would be rounded on the way in.
     scale = reader.read(spec.scale_name, group_scale_shape(*spec.logical_shape, group_size),
-                        (torch.bfloat16, torch.float16, torch.float32), "int4 scale")
+                        (torch.bfloat16,), "int4 scale")
     return packed, scale
 
 

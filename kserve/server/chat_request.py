@@ -65,6 +65,8 @@ def render_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, 
         prompt_ids = ctx.template.encode(ctx.tokenizer, messages, tools=tools or None,
                                          add_generation_prompt=add_generation_prompt,
                                          legacy=ctx.settings.legacy_prompt_encoding, **thinking.template_kwargs())
+    except RecursionError:  # tools or messages nested deeper than any renderer can walk
+        raise bad_request("could not render the conversation: it is nested too deeply", "messages") from None
     except (ValueError, TypeError, KeyError) as exc:
         raise bad_request(f"could not render the conversation with the chat template: {exc}", "messages") from None
     return RenderedChat(messages, all_tools, tool_choice, prompt_ids, thinking,

@@ -151,7 +151,8 @@ def after_reasoning(grammar: CompiledGrammar | None, tokenizer: Any, starts_in_r
     think_end_id = tokenizer.special_ids.get(THINK_END)
     if grammar is None or not starts_in_reasoning or think_end_id is None:
         return grammar
-    masked = [*tokenizer.stop_token_ids, *(tokenizer.special_ids[m] for m in TOOL_MARKER_TOKENS)]
+    masked = [*tokenizer.stop_token_ids,
+              *(tokenizer.special_ids[m] for m in TOOL_MARKER_TOKENS if m in tokenizer.special_ids)]
     if THINK_BEGIN in tokenizer.special_ids:  # reasoning is already open
         masked.append(tokenizer.special_ids[THINK_BEGIN])
     return AfterReasoning(grammar, think_end_id, masked)

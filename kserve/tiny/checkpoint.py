@@ -164,8 +164,7 @@ def tiny_config(variant: str = "k2", geometry: str = "k2") -> dict[str, Any]:
                    max_position_embeddings=10240)  # = factor x original, as transformers expects
         cfg["rope_scaling"] = dict(cfg["rope_scaling"], beta_fast=32.0, factor=40.0, original_max_position_embeddings=256)
     if variant == "k25":
-        cfg.update(quantization_config=int4_quantization_config(), max_position_embeddings=262144, rms_norm_eps=1e-05,
-                   pad_token_id=special_token_id(163839))
+        cfg.update(quantization_config=int4_quantization_config(), max_position_embeddings=262144, rms_norm_eps=1e-05)
         cfg["rope_scaling"] = dict(cfg["rope_scaling"], factor=64.0)
     return cfg
 
