@@ -247,6 +247,29 @@ def test_the_grammar_applies_from_the_first_token_when_output_does_not_start_in_
     assert after_reasoning(grammar, no_think, starts_in_reasoning=True) is grammar
 
 
+def test_when_the_model_opens_think_itself_it_may_reason_first_or_answer_under_the_grammar_at_once():
+    """K2-Thinking: an empty prefill, and the model writes `<think>` itself."""
+    assert K2_THINKING.model_opens_reasoning() and not K2_6.model_opens_reasoning() and not K2.model_opens_reasoning()
+    assert not K2_7_CODE.model_opens_reasoning()  # its prompt opens <think>
+    grammar = ScriptedGrammar(allowed=[5, 6], length=2)
+    guided = after_reasoning(grammar, _tokenizer(), starts_in_reasoning=False, model_opens_reasoning=True)
+    reasons = guided.make_constraint()
+    assert _allowed(reasons) == {5, 6, THINK_IDS[THINK_BEGIN]}
+    assert not reasons.accept_token(1)  # neither <think> nor the grammar's
+    assert reasons.accept_token(THINK_IDS[THINK_BEGIN])
+    assert THINK_IDS[THINK_BEGIN] not in _allowed(reasons) and 1 in _allowed(reasons)  # free, not re-opened
+    assert reasons.accept_token(1) and reasons.accept_token(THINK_IDS[THINK_END])
+    assert _allowed(reasons) == {5, 6} and not reasons.is_terminated()
+    assert reasons.accept_token(5) and reasons.accept_token(6) and reasons.is_terminated()
+    reasons.rollback(5)  # everything, `<think>` included: the first token is open again
+    assert _allowed(reasons) == {5, 6, THINK_IDS[THINK_BEGIN]}
+    answers = guided.make_constraint()
+    assert answers.accept_token(5) and _allowed(answers) == {5, 6}  # no <think> once the answer began
+    answers.rollback(1)
+    assert THINK_IDS[THINK_BEGIN] in _allowed(answers)
+    assert after_reasoning(grammar, _tokenizer(), starts_in_reasoning=False, model_opens_reasoning=False) is grammar
+
+
 # ----------------------------------------------------------------------------- the startup self-check
 
 

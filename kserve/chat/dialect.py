@@ -96,6 +96,10 @@ class ChatDialect:
         """Whether generated text begins inside a reasoning block (the prompt already opened ``<think>``)."""
         return self.prefill(thinking).endswith(THINK_BEGIN)
 
+    def model_opens_reasoning(self, thinking: bool | None = None) -> bool:
+        """Whether the model itself writes ``<think>`` first (it always thinks, and the prompt did not open it)."""
+        return self.always_thinks and not self.starts_in_reasoning(thinking)
+
 
 _K2_MEDIA = "<|media_start|>image<|media_content|><|media_pad|><|media_end|>\n"
 _K25_MEDIA = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>\n"

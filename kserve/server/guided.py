@@ -70,22 +70,37 @@ async def compile_grammar(compiler: Any, spec: GrammarSpec | None) -> CompiledGr
 
 
 class _AfterReasoningMatcher:
-    """One sequence's constraint (the engine's TokenConstraint): free reasoning, `</think>`, then the grammar."""
+    """One sequence's constraint (the engine's TokenConstraint): free reasoning, `</think>`, then the grammar.
+
+    When the model opens `<think>` itself (K2-Thinking), the first token may be `<think>` or the grammar's own."""
 
     def __init__(self, guided: AfterReasoning) -> None:
         self._guided = guided
         self._grammar = guided.grammar.make_constraint()
-        self._reasoning_tokens = 0  # accepted while reasoning, `</think>` included
+        self._reasoning_tokens = 0  # accepted while reasoning, `<think>` / `</think>` included
         self._grammar_tokens = 0  # accepted by the grammar since
-        self._reasoning = True
+        self._opening = guided.think_begin_id is not None  # nothing generated yet; `<think>` may come first
+        self._reasoning = not self._opening
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if self._reasoning:
             bitmask[row] = self._guided.reasoning_row(bitmask.shape[1])
-        else:
-            self._grammar.fill_bitmask(bitmask, row)
+            return
+        self._grammar.fill_bitmask(bitmask, row)
+        if self._opening:
+            word, bit = divmod(self._guided.think_begin_id, 32)
+            bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32 keeping the bit pattern
 
     def accept_token(self, token_id: int) -> bool:
+        if self._opening:
+            self._opening = False
+            if token_id == self._guided.think_begin_id:
+                self._reasoning, self._reasoning_tokens = True, 1
+                return True
+            accepted = self._grammar.accept_token(token_id)
+            self._grammar_tokens += int(accepted)
+            self._opening = not accepted
+            return accepted
         if not self._reasoning:
             accepted = self._grammar.accept_token(token_id)
             self._grammar_tokens += int(accepted)
@@ -104,17 +119,21 @@ class _AfterReasoningMatcher:
         if undo_reasoning:  # back before `</think>`: reasoning again
             self._reasoning_tokens -= undo_reasoning
             self._reasoning = True
+        if self._guided.think_begin_id is not None and self._reasoning_tokens == self._grammar_tokens == 0:
+            self._opening, self._reasoning = True, False  # back before the first token
 
     def is_terminated(self) -> bool:
-        return not self._reasoning and self._grammar.is_terminated()
+        return not self._reasoning and not self._opening and self._grammar.is_terminated()
 
 
 class AfterReasoning:
     """A compiled grammar that starts after the reasoning: what `SamplingParams.guided` holds under thinking."""
 
-    def __init__(self, grammar: CompiledGrammar, think_end_id: int, masked_while_reasoning: Iterable[int]) -> None:
+    def __init__(self, grammar: CompiledGrammar, think_end_id: int, masked_while_reasoning: Iterable[int],
+                 think_begin_id: int | None = None) -> None:
         self.grammar = grammar
         self.think_end_id = think_end_id
+        self.think_begin_id = think_begin_id  # set when the model, not the prompt, opens the reasoning
         self.masked_while_reasoning = frozenset(masked_while_reasoning) - {think_end_id}
         self._rows: dict[int, torch.Tensor] = {}  # bitmask width -> the reasoning row
 
@@ -141,18 +160,21 @@ class AfterReasoning:
         return _AfterReasoningMatcher(self)
 
 
-def after_reasoning(grammar: CompiledGrammar | None, tokenizer: Any, starts_in_reasoning: bool
-                    ) -> CompiledGrammar | AfterReasoning | None:
-    """`grammar` as the request needs it: after the reasoning when its output starts inside `<think>`.
+def after_reasoning(grammar: CompiledGrammar | None, tokenizer: Any, starts_in_reasoning: bool,
+                    model_opens_reasoning: bool = False) -> CompiledGrammar | AfterReasoning | None:
+    """`grammar` as the request needs it: after the reasoning when its output starts inside `<think>`, or may
+    start by opening it (`model_opens_reasoning`, K2-Thinking).
 
     A tokenizer without a single `</think>` token cannot say where reasoning ends: the grammar then applies from
     the first token (the reasoning parser ends reasoning at the tool-call section it opens).
     """
     think_end_id = tokenizer.special_ids.get(THINK_END)
-    if grammar is None or not starts_in_reasoning or think_end_id is None:
+    think_begin_id = tokenizer.special_ids.get(THINK_BEGIN)
+    opens = model_opens_reasoning and not starts_in_reasoning and think_begin_id is not None
+    if grammar is None or not (starts_in_reasoning or opens) or think_end_id is None:
         return grammar
     masked = [*tokenizer.stop_token_ids,
               *(tokenizer.special_ids[m] for m in TOOL_MARKER_TOKENS if m in tokenizer.special_ids)]
     if THINK_BEGIN in tokenizer.special_ids:  # reasoning is already open
         masked.append(tokenizer.special_ids[THINK_BEGIN])
-    return AfterReasoning(grammar, think_end_id, masked)
+    return AfterReasoning(grammar, think_end_id, masked, think_begin_id if opens else None)

@@ -85,7 +85,8 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dic
     )
     # Under thinking the grammar constrains what follows the reasoning, never the reasoning itself.
     guided = after_reasoning(await compile_grammar(ctx.grammar, spec), ctx.tokenizer,
-                             rendered.reasoning.starts_in_reasoning)
+                             rendered.reasoning.starts_in_reasoning,
+                             ctx.template.dialect.model_opens_reasoning(rendered.thinking.thinking))
     guided = tool_marker_ban(ctx, parse_tools, guided)  # no callable tools: the tool-call markers are masked
     top_logprobs = req.top_logprobs or 0
     params = build_sampling_params(
