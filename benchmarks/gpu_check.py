@@ -106,6 +106,8 @@ class Plan:
     serve_input_len: int
     serve_startup_timeout_s: float
     rotate_bytes: int  # keep rotating inputs until a timed loop touches this many bytes (defeats L2)
+    dcp_size: int = 8  # decode context parallelism: one rank of a group this size
+    long_prefill: tuple[int, int, int] = (2048, 131072, 8192)  # (new tokens, cached context, context chunk)
 
     @staticmethod
     def gpu() -> Plan:
@@ -142,7 +144,7 @@ class Plan:
             prefill_heads=2, prefill_lens=[(5, 5), (9, 9), (3, 12)],
             decode_batches=[1, 4], decode_context=32, decode_layers=4,
             serve_concurrency=[1, 4], serve_prompts=4, serve_output_len=4, serve_input_len=8,
-            serve_startup_timeout_s=90, rotate_bytes=0,
+            serve_startup_timeout_s=90, rotate_bytes=0, long_prefill=(8, 320, 16),
         )
 
 
@@ -581,6 +583,93 @@ def speed_mla(plan: Plan, limits: dict[str, float], budget: Budget) -> list[Row]
     return rows
 
 
+def speed_dcp_decode(plan: Plan, limits: dict[str, float], budget: Budget) -> list[Row]:
+    """Decode context parallelism at one rank of `dcp_size`: the group's heads over 1/dcp of the context
+    with log-sum-exp, then the merge (collectives replaced by local stand-ins: NCCL time is not in it),
+    against DCP 1 (this rank's heads over the whole context)."""
+    torch = _torch()
+    mod, why = import_or_skip("kserve.kernels.mla_decode", ["mla_decode"])
+    attn, why_attn = import_or_skip("kserve.layers.mla_attention", ["merge_context_parallel"])
+    if mod is None or attn is None:
+        return [Row("kernel_speed", "DCP decode", "-", status=why or why_attn)]
+    from kserve.distributed import ContextParallelGroup
+
+    gen = torch.Generator(device=plan.device).manual_seed(5)
+    dcp, ctx, h = plan.dcp_size, max(plan.mla_contexts), plan.mla_heads
+    group = ContextParallelGroup(dcp, 0, collectives=False)
+    width = plan.mla_latent + plan.mla_rope
+    rows = []
+    for b in plan.mla_batches:
+        if budget.spent():
+            rows.append(Row("kernel_speed", f"DCP decode B={b}", "-", status="skipped: stage time budget spent"))
+            continue
+        per = -(-ctx // plan.mla_block_size)
+        cache = torch.randn(b * per, plan.mla_block_size, width, device=plan.device, generator=gen).mul_(0.5)
+        cache = cache.to(act_dtype(plan))
+        tables = torch.arange(b * per, device=plan.device, dtype=torch.int32).view(b, per)
+        q_lat = torch.randn(b, h * dcp, plan.mla_latent, device=plan.device, generator=gen).to(act_dtype(plan))
+        q_pe = torch.randn(b, h * dcp, plan.mla_rope, device=plan.device, generator=gen).to(act_dtype(plan))
+        full = torch.full((b,), ctx, dtype=torch.int32, device=plan.device)
+        share = torch.full((b,), group.local_len(ctx), dtype=torch.int32, device=plan.device)
+        base_ms = time_ms([partial(mod.mla_decode, q_lat[:, :h], q_pe[:, :h], cache, tables, full, 0.1, 1.0)], plan)
+        local_ms = time_ms([partial(mod.mla_decode, q_lat, q_pe, cache, tables, share, 0.1, 1.0, True)], plan)
+        out, lse = mod.mla_decode(q_lat, q_pe, cache, tables, share, 0.1, 1.0, True)
+        merge_ms = time_ms([partial(attn.merge_context_parallel, out, lse, group)], plan)
+        rows.append(Row("kernel_speed", f"DCP decode 1 rank of {dcp} B={b} ctx={ctx} ({h} heads/rank)",
+                        f"local {local_ms:.3f} + merge {merge_ms:.3f} ms vs DCP 1 {base_ms:.3f} ms", "",
+                        data={"local_ms": local_ms, "merge_ms": merge_ms, "dcp1_ms": base_ms}))
+        del cache
+        release(plan.device)
+    return rows
+
+
+def speed_long_prefill(plan: Plan, limits: dict[str, float], budget: Budget) -> list[Row]:
+    """One K2 attention layer at rank 0 of 8: a prefill chunk over a long cached context, decompressed in
+    bounded context chunks; time and the peak memory above the inputs against the chunk budget."""
+    torch = _torch()
+    mod, why = import_or_skip("kserve.model.deepseek_v3", ["MLAttention"])
+    fb, why_fb = import_or_skip("kserve.model.forward_batch", ["ForwardBatch"])
+    if mod is None or fb is None:
+        return [Row("kernel_speed", "long-context prefill", "-", status=why or why_fb)]
+    from kserve.distributed import ParallelState
+    from kserve.layers.rotary import YarnRotaryEmbedding
+
+    new, ctx, chunk = plan.long_prefill
+    config = decode_config(plan)
+    dtype = act_dtype(plan)
+    layer = mod.MLAttention(config, ParallelState(0, 8).without_collectives(), dtype=dtype, device=plan.device)
+    fill_random_(layer, seed=9)
+    rotary = YarnRotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, device=plan.device)
+    block = 16
+    gen = torch.Generator(device=plan.device).manual_seed(6)
+    cache = torch.randn(-(-(ctx + new) // block), block, config.kv_cache_dim, device=plan.device, generator=gen)
+    cache = cache.mul_(0.5).to(dtype)
+    batch = fb.ForwardBatch.contiguous([new], [ctx + new], block, device=plan.device, context_chunk_tokens=chunk)
+    x = torch.randn(new, config.hidden_size, device=plan.device, generator=gen).to(dtype)
+    positions = torch.arange(ctx, ctx + new, device=plan.device)
+    run = partial(layer, positions, x, batch, cache, rotary)
+    if plan.device == "cuda":
+        sync(plan.device)
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.inference_mode():
+            run()
+        sync(plan.device)
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        peak = float("nan")
+    with torch.inference_mode():
+        ms = time_ms([run], plan, iters=max(1, plan.iters // 4))
+    heads = layer.num_heads
+    per_token = heads * (config.qk_head_dim + config.qk_nope_head_dim + config.v_head_dim) * cache.element_size()
+    budget_bytes = max(new, chunk) * per_token
+    value = f"{ms:.2f} ms/layer, peak {peak / 2**20:.0f} MiB (decompressed budget {budget_bytes / 2**20:.0f} MiB)"
+    return [Row("kernel_speed", f"long-context prefill {new} new over {ctx} cached, chunk {chunk}, {heads} heads",
+                value, "peak <= 4x budget",
+                "ok" if plan.device != "cuda" or peak <= 4 * budget_bytes else "below goal",
+                {"ms": ms, "peak_bytes": peak, "budget_bytes": budget_bytes})]
+
+
 def _per_expert_loop(x, w13, s13, w2, s2, ids, weights, num_local: int, linear):
     """The baseline the fused kernel replaces: one pair of block-FP8 linears per hit expert."""
     torch = _torch()
@@ -787,8 +876,9 @@ def stage_kernel_speed(plan: Plan, budget: Budget, limits: dict[str, float]) -> 
     rows: list[Row] = []
     if "copy_gbps" not in limits:
         return [Row("kernel_speed", "all", "-", status="skipped: no limits from the env stage")], {}
-    for item, fn in (("MLA decode", speed_mla), ("fused MoE", speed_moe), ("W4A16 MoE", speed_w4a16_moe),
-                     ("block-FP8 GEMM", speed_fp8_gemm)):
+    for item, fn in (("MLA decode", speed_mla), ("DCP decode", speed_dcp_decode),
+                     ("long-context prefill", speed_long_prefill), ("fused MoE", speed_moe),
+                     ("W4A16 MoE", speed_w4a16_moe), ("block-FP8 GEMM", speed_fp8_gemm)):
         guarded("kernel_speed", item, rows, budget, lambda fn=fn: fn(plan, limits, budget))
         release(plan.device)
     return rows, {}

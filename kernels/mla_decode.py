@@ -76,6 +76,7 @@ _FP8_DTYPES = (torch.float8_e4m3fn,)
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + _FP8_DTYPES
 _QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 # Elements of gathered latents the torch path holds at once (fp32: 16 MiB). Measured on the CPU at
 # batch 16-64, contexts 208-2048, K2 widths: chunks of 32 MiB and more ran 1.5-2.5x slower than
@@ -142,15 +143,18 @@ def mla_decode_torch(
     scale: float,
     kv_scale: float = 1.0,
     chunk_elements: int = TORCH_CHUNK_ELEMENTS,
-) -> torch.Tensor:
-    """Reference and CPU path. Returns o_lat [B, H, C] fp32; zeros for rows with context 0."""
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Reference and CPU path. Returns o_lat [B, H, C] fp32; zeros for rows with context 0. With
+    `return_lse`, also the natural log-sum-exp of each row's scaled scores [B, H] fp32 (-inf when empty)."""
     batch, heads, latent_dim = q_lat.shape
     width = kv_cache.shape[-1]
     block_size = kv_cache.shape[1]
     max_blocks = block_tables.shape[1]
     out = torch.zeros(batch, heads, latent_dim, dtype=torch.float32, device=q_lat.device)
     if batch == 0 or heads == 0 or max_blocks == 0:
-        return out
+        empty_lse = torch.full((batch, heads), float("-inf"), device=q_lat.device)
+        return (out, empty_lse) if return_lse else out
     # One fused query over the 576-wide latent row: scores are q . row, and the output is p . row
     # (its first C columns), which avoids copying the c_kv slice of the gathered rows.
     query = torch.cat([q_lat.float(), q_pe.float()], dim=-1)  # [B, H, D]
@@ -187,7 +191,11 @@ def mla_decode_torch(
         running_max = new_max
     # a row with any valid token has a sum >= 1 (its maximum contributes exp(0)); an empty row has
     # a zero sum and a zero numerator, so clamping the sum to 1 returns its zeros
-    return out * (kv_scale / running_sum.clamp(min=1.0))
+    out = out * (kv_scale / running_sum.clamp(min=1.0))
+    if not return_lse:
+        return out
+    lse = (running_max + running_sum.log()).squeeze(-1)  # log(0) = -inf for an empty row
+    return out, lse
 
 
 @dataclass(frozen=True)
@@ -344,9 +352,11 @@ def _kernels():
 
     @triton.jit
     def mla_decode_merge_kernel(
-        part_ptr, lse_ptr, out_ptr,
+        part_ptr, lse_ptr, out_ptr, out_lse_ptr,
         stride_part_b, stride_part_h, stride_part_s, stride_lse_b, stride_lse_h, stride_out_b, stride_out_h,
+        stride_out_lse_b,
         LATENT_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+        STORE_OUT_LSE: tl.constexpr,
     ):
         seq = tl.program_id(0)
         head = tl.program_id(1)
@@ -358,6 +368,9 @@ def _kernels():
         weights = tl.exp2(lse - top)
         total = tl.sum(weights, axis=0)
         weights = weights / tl.where(total > 0, total, 1.0)
+        if STORE_OUT_LSE:  # base 2; the caller converts
+            merged_lse = tl.where(total > 0, top + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
+            tl.store(out_lse_ptr + seq * stride_out_lse_b + head, merged_lse)
         for first in range(0, LATENT_DIM, BLOCK_C):
             offs_c = first + tl.arange(0, BLOCK_C)
             mask_c = offs_c < LATENT_DIM
@@ -381,8 +394,10 @@ def mla_decode_triton(
     kv_scale: float = 1.0,
     num_splits: int | None = None,
     launch: DecodeLaunch | None = None,
-) -> torch.Tensor:
-    """The Triton kernel; o_lat [B, H, C] fp32. `num_splits` / `launch` override the heuristics (tests)."""
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel; o_lat [B, H, C] fp32 (and with `return_lse` the natural log-sum-exp [B, H]).
+    `num_splits` / `launch` override the heuristics (tests)."""
     import triton
 
     batch, heads, latent_dim = q_lat.shape
@@ -390,10 +405,10 @@ def mla_decode_triton(
     block_size = kv_cache.shape[1]
     max_blocks = block_tables.shape[1]
     out = torch.empty(batch, heads, latent_dim, dtype=torch.float32, device=q_lat.device)
-    if batch == 0 or heads == 0:
-        return out
-    if max_blocks == 0:
-        return out.zero_()
+    out_lse = torch.full((batch, heads), float("-inf"), dtype=torch.float32, device=q_lat.device)
+    if batch == 0 or heads == 0 or max_blocks == 0:
+        out.zero_()
+        return (out, out_lse) if return_lse else out
     q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
@@ -405,7 +420,9 @@ def mla_decode_triton(
         )
     splits = launch.num_splits
     if splits == 1:
-        partial, lse = out.unsqueeze(2), out  # lse is not stored with one split
+        partial = out.unsqueeze(2)
+        # with one split the kernel's own log-sum-exp (base 2) is the answer; stored only when asked for
+        lse = torch.empty(batch, heads, 1, dtype=torch.float32, device=q_lat.device) if return_lse else out
     else:
         partial = torch.empty(batch, heads, splits, latent_dim, dtype=torch.float32, device=q_lat.device)
         lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q_lat.device)
@@ -420,22 +437,26 @@ def mla_decode_triton(
         LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, PAGE_SIZE=block_size,
         BLOCK_C=triton.next_power_of_2(latent_dim), BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         BLOCK_H=launch.block_h, BLOCK_N=launch.block_n,
-        NUM_SPLITS=splits, STORE_LSE=splits > 1, IEEE_DOT=q_lat.dtype == torch.float32,
+        NUM_SPLITS=splits, STORE_LSE=splits > 1 or return_lse, IEEE_DOT=q_lat.dtype == torch.float32,
         TRANSPOSED_K=launch.transposed_k,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if splits > 1:
         block_s = max(2, triton.next_power_of_2(splits))
         merge_kernel[(batch, heads)](
-            partial, lse, out,
+            partial, lse, out, out_lse,
             partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
+            out.stride(0), out.stride(1), out_lse.stride(0),
             LATENT_DIM=latent_dim, NUM_SPLITS=splits, BLOCK_S=block_s,
             # at most 8K partial values a step (64 registers a thread at 4 warps)
             BLOCK_C=min(triton.next_power_of_2(latent_dim), max(16, 8192 // block_s)),
+            STORE_OUT_LSE=return_lse,
             num_warps=4,
         )
-    return out
+        out_lse = out_lse * _LN2
+    elif return_lse:
+        out_lse = lse[:, :, 0] * _LN2
+    return (out, out_lse) if return_lse else out
 
 
 @torch.library.custom_op("kserve::mla_decode", mutates_args=())
@@ -459,6 +480,27 @@ def _mla_decode_fake(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Te
     return q_lat.new_empty(q_lat.shape, dtype=torch.float32)
 
 
+@torch.library.custom_op("kserve::mla_decode_lse", mutates_args=())
+def _mla_decode_lse_op(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    kv_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if triton_runs(kv_cache.device, fp8=kv_cache.dtype in _FP8_DTYPES):
+        return mla_decode_triton(q_lat, q_pe, kv_cache, block_tables, context_lens, scale, kv_scale, return_lse=True)
+    return mla_decode_torch(q_lat, q_pe, kv_cache, block_tables, context_lens, scale, kv_scale, return_lse=True)
+
+
+@_mla_decode_lse_op.register_fake
+def _mla_decode_lse_fake(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float, kv_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return q_lat.new_empty(q_lat.shape, dtype=torch.float32), q_lat.new_empty(q_lat.shape[:2], dtype=torch.float32)
+
+
 def mla_decode(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -467,9 +509,16 @@ def mla_decode(
     context_lens: torch.Tensor,
     scale: float,
     kv_scale: float = 1.0,
-) -> torch.Tensor:
-    """Absorbed MLA decode over the paged latent cache; o_lat [B, H, C] fp32 (see the module doc)."""
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode over the paged latent cache; o_lat [B, H, C] fp32 (see the module doc).
+    `return_lse` adds each row's natural log-sum-exp [B, H] (-inf for an empty context): what decode
+    context parallelism needs to merge the partial results of several ranks."""
     check_decode_inputs(q_lat, q_pe, kv_cache, block_tables, context_lens, scale, kv_scale)
+    if return_lse:
+        return torch.ops.kserve.mla_decode_lse(
+            q_lat, q_pe, kv_cache, block_tables, context_lens, float(scale), float(kv_scale)
+        )
     return torch.ops.kserve.mla_decode(
         q_lat, q_pe, kv_cache, block_tables, context_lens, float(scale), float(kv_scale)
     )

@@ -16,6 +16,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="require this bearer token (or set KSERVE_API_KEY)")
     p.add_argument("--chat-template", default=None, help="a jinja chat template file to use instead of the model's")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,
+                   help="shard the KV cache by token over this many tensor-parallel ranks (divides --tp): "
+                        "that many times the cache per node")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -87,6 +90,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="per-rank weight bytes, KV cache size and whether a model fits (no GPU needed)")
     p.add_argument("model", help="a model directory or a config.json file")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--decode-context-parallel-size", "-dcp", dest="dcp", type=int, default=1,
+                   help="KV cache sharded by token over this many tensor-parallel ranks")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="memory per GPU in GiB (default: this machine's GPU 0)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -115,6 +120,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             config, args.tp, total, model_name=str(args.model), max_model_len=args.max_model_len,
             kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            decode_context_parallel_size=args.dcp,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"kserve plan: {exc}", file=sys.stderr)

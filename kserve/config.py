@@ -294,6 +294,8 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
     tensor_parallel_size: int = 1
+    # decode context parallelism: shard the KV cache by token over groups of this many tensor-parallel ranks
+    decode_context_parallel_size: int = 1
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # per-step token budget for chunked prefill
@@ -305,6 +307,8 @@ class EngineConfig:
     # KV cache budget on CPU (no profiling there): 1.25 GiB holds the embedded model's whole 131,072-token context
     kv_cache_cpu_bytes: int = 5 << 28
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "fp8" = float8_e4m3fn latents with a scale
+    # most cached context positions one prefill decompresses at once (longer contexts go in chunks)
+    context_chunk_tokens: int = 8192
     enforce_eager: bool = False  # True = never capture CUDA graphs
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -315,3 +319,21 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        check_context_parallel(self.tensor_parallel_size, self.decode_context_parallel_size)
+        if self.context_chunk_tokens < 1:
+            raise ValueError(f"context_chunk_tokens must be positive, got {self.context_chunk_tokens}")
+
+
+def check_context_parallel(tp_size: int, dcp_size: int) -> None:
+    """Raise ValueError naming both sizes when decode context parallelism cannot run on this layout."""
+    if dcp_size < 1:
+        raise ValueError(f"--decode-context-parallel-size must be at least 1, got {dcp_size}")
+    if dcp_size > 1 and tp_size == 1:
+        raise ValueError(
+            f"--decode-context-parallel-size {dcp_size} needs tensor parallelism: it shards the KV cache over "
+            f"the tensor-parallel ranks, and --tensor-parallel-size is {tp_size}"
+        )
+    if tp_size % dcp_size:
+        raise ValueError(
+            f"--decode-context-parallel-size {dcp_size} does not divide --tensor-parallel-size {tp_size}"
+        )

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from kserve.config import check_context_parallel
+
 
 @dataclass(frozen=True)
 class ParallelState:
@@ -81,3 +83,71 @@ class ParallelState:
         (their extra rows are padding)."""
         per = -(-total // self.tp_size)
         return self.tp_rank * per, (self.tp_rank + 1) * per
+
+
+@dataclass(frozen=True)
+class ContextParallelGroup:
+    """Decode context parallelism: the `size` consecutive tensor-parallel ranks that share one KV cache,
+    each holding every `size`-th token of every sequence (token t on group rank t % size).
+
+    `group` is the torch.distributed group of those ranks (the world group when they are all of it).
+    `collectives=False` gives local stand-ins of the right shapes (tracing, a lone rank's profile).
+    """
+
+    size: int
+    rank: int
+    group: Any = None
+    collectives: bool = True
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"bad context-parallel state: rank {self.rank} of {self.size}")
+
+    def without_collectives(self) -> ContextParallelGroup:
+        return dataclasses.replace(self, collectives=False)
+
+    def local_len(self, length: int) -> int:
+        """How many of a sequence's first `length` tokens this rank holds."""
+        return max(0, -(-(length - self.rank) // self.size))
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every group rank's `x`, stacked in group-rank order: [size, *x.shape]."""
+        if not self.collectives:
+            return x.unsqueeze(0).expand(self.size, *x.shape).contiguous()
+        import torch.distributed as dist
+
+        out = x.new_empty(self.size * x.shape[0], *x.shape[1:])  # gloo wants the parts concatenated on dim 0
+        dist.all_gather_single(out, x.contiguous(), group=self.group)
+        return out.view(self.size, *x.shape)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` [size, *rest] over the group and return this rank's slice [*rest]."""
+        if not self.collectives:
+            return x[0].clone()
+        import torch.distributed as dist
+
+        out = x.new_empty(x.shape[1:])
+        dist.reduce_scatter_single(out, x.reshape(-1, *x.shape[2:]), group=self.group)
+        return out
+
+
+def context_parallel_groups(tp_rank: int, tp_size: int, dcp_size: int) -> ContextParallelGroup | None:
+    """This rank's decode-context-parallel group; None when `dcp_size` is 1.
+
+    Every tensor-parallel rank must call this with the same sizes and in the same order (creating
+    process groups is collective). Groups are consecutive ranks: [g * dcp_size, (g + 1) * dcp_size).
+    """
+    check_context_parallel(tp_size, dcp_size)
+    if dcp_size == 1:
+        return None
+    import torch.distributed as dist
+
+    if dcp_size == tp_size:
+        return ContextParallelGroup(dcp_size, tp_rank, dist.group.WORLD)
+    mine = None
+    for first in range(0, tp_size, dcp_size):
+        group = dist.new_group(list(range(first, first + dcp_size)))
+        if first <= tp_rank < first + dcp_size:
+            mine = group
+    return ContextParallelGroup(dcp_size, tp_rank % dcp_size, mine)
+

@@ -105,3 +105,29 @@ def test_a_host_read_in_the_moe_would_fail(decode_setup, monkeypatch) -> None:
 
     with pytest.raises(Exception, match=r"(?i)data-dependent|item|tolist|graph break"):
         trace_fullgraph(decode_step, torch.tensor([7, 8, 9]), batch, cache.clone())
+
+
+def test_context_parallel_decode_traces_whole(decode_setup) -> None:
+    """Decode context parallelism (group rank 1 of 2, collectives as local stand-ins): the head gather, the
+    decode kernel with log-sum-exp and the merge trace without a host read."""
+    from kserve.distributed import ContextParallelGroup
+    from kserve.model.forward_batch import slot_of
+
+    model, cache, _ = decode_setup
+    group = ContextParallelGroup(2, 1, collectives=False)
+    lens = [18, 6, 34]
+    tables = [[0, 1], [2], [3, 4, 5]]  # virtual blocks of 2 * BLOCK tokens
+    batch = ForwardBatch.build(
+        positions=[n - 1 for n in lens], slots=[slot_of(t, n - 1, 2 * BLOCK) for t, n in zip(tables, lens)],
+        block_tables=tables, query_lens=[1, 1, 1], context_lens=lens, block_size=BLOCK,
+        context_parallel=group, scratch_slot=cache.shape[1] * BLOCK - 1,
+    )
+    assert batch.context_lens.tolist() == [9, 3, 17]  # this rank's share: positions 1, 3, 5, ...
+
+    def decode_step(ids, batch, cache):
+        return model.compute_logits(model(ids, batch, cache))
+
+    ids = torch.tensor([7, 8, 9])
+    out = trace_fullgraph(decode_step, ids, batch, cache.clone())
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, decode_step(ids, batch, cache.clone()))

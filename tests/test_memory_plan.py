@@ -191,15 +191,16 @@ def test_gpu_block_count_from_a_profile():
 
 
 def test_profile_memory_runs_its_forward(tiny_k2_dir, monkeypatch):
-    """profile_memory's own steps (scratch cache, one prefill of max_num_batched_tokens, the LM head,
-    rank 0 alone under TP) on the CPU, with torch.cuda's counters faked."""
+    """profile_memory's own steps (scratch cache, one prefill of max_num_batched_tokens over a cached
+    prefix of one context chunk, the LM head, rank 0 alone under TP) on the CPU, with torch.cuda's
+    counters faked."""
     from kserve.config import EngineConfig
     from kserve.distributed import ParallelState
     from kserve.engine import model_runner
     from kserve.model import load_model
 
     c = ModelConfig.from_model_dir(tiny_k2_dir)
-    cache_bytes = c.num_hidden_layers * 3 * 16 * c.kv_cache_dim * 4  # ceil(40 / 16) blocks, fp32
+    cache_bytes = c.num_hidden_layers * 4 * 16 * c.kv_cache_dim * 4  # ceil((40 + 24) / 16) blocks, fp32
     counters = iter([1000, 1000 + cache_bytes + 777])  # memory_allocated before, max_memory_allocated after
     fake = {
         "synchronize": lambda *a: None, "empty_cache": lambda: None, "reset_peak_memory_stats": lambda *a: None,
@@ -209,6 +210,6 @@ def test_profile_memory_runs_its_forward(tiny_k2_dir, monkeypatch):
     for name, fn in fake.items():
         monkeypatch.setattr(torch.cuda, name, fn)
     model = load_model(tiny_k2_dir, parallel=ParallelState(0, 2))
-    config = EngineConfig(max_num_batched_tokens=40, max_num_seqs=4, block_size=16)
+    config = EngineConfig(max_num_batched_tokens=40, max_num_seqs=4, block_size=16, context_chunk_tokens=24)
     profile = model_runner.profile_memory(model, model.config, config, torch.device("cpu"), torch.float32)
     assert profile == model_runner.MemoryProfile(100_000, 1000, 777, 10_000)

@@ -90,21 +90,27 @@ class LLMEngine:
             # size the cache from what a full step really takes (rank 0 stands for every rank)
             profile = profile_memory(model, model_config, config, self.device, kv_dtype)
         num_blocks = num_kv_blocks_for(config, bytes_per_token, self.device, profile)
-        capacity = num_blocks * config.block_size
+        # under decode context parallelism a block spans the group: block_size tokens on each of its ranks
+        table_block_size = config.block_size * config.decode_context_parallel_size
+        capacity = num_blocks * table_block_size
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings, capacity)
 
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, table_block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         runner_options = {
             "kv_cache_dtype": config.kv_cache_dtype,
             "max_num_seqs": config.max_num_seqs,
             "max_model_len": self.max_model_len,
             "enforce_eager": config.enforce_eager,
+            "context_chunk_tokens": config.context_chunk_tokens,
         }
+        context_parallel = None
         if tp_workers is not None:
-            tp_workers.init_cache(num_blocks, config.block_size, runner_options)
+            tp_workers.init_cache(num_blocks, config.block_size, runner_options, config.decode_context_parallel_size)
+            context_parallel = tp_workers.context_parallel
         self.runner = ModelRunner(
-            model, model_config, num_blocks, config.block_size, self.device, dtype, peers=tp_workers, **runner_options
+            model, model_config, num_blocks, config.block_size, self.device, dtype, peers=tp_workers,
+            context_parallel=context_parallel, **runner_options,
         )
         self.sampler = Sampler(eos, self.device)
         self._seed_rng = random.Random(config.seed)  # seeds for requests that bring none

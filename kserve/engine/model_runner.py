@@ -7,6 +7,10 @@ tensor-parallel workers) and then into one `ForwardBatch` (see kserve/model/forw
 step's only metadata, built once on the host's numbers; the model writes each
 new token's latent into its slot and attends over the sequence's block table. Only the rows whose
 chunk ends at the sequence's last token go through the LM head.
+
+Under decode context parallelism (`context_parallel`) the scheduler's blocks are virtual: each holds
+`block_size * dcp` tokens, `block_size` of them on each group rank, so the same cache memory holds
+dcp times the tokens. StepInputs stay global; each rank's ForwardBatch picks out its own tokens.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import numpy as np
 import torch
 
 from kserve.config import EngineConfig, ModelConfig
+from kserve.distributed import ContextParallelGroup
 from kserve.engine.scheduler import ScheduledSeq
-from kserve.model.forward_batch import ForwardBatch, slot_of
+from kserve.model.forward_batch import DEFAULT_CONTEXT_CHUNK_TOKENS, ForwardBatch, local_slots, slot_of
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +51,7 @@ def num_kv_blocks_for(
 ) -> int:
     """How many cache blocks fit in the memory the config allows.
 
+    Blocks are per rank (`block_size` tokens each, whatever the DCP size).
     CUDA: `gpu_memory_utilization` of the device's total memory, less the weights, the profiled peak
     activations and what torch does not allocate (`kserve.model.memory_plan.kv_cache_budget_bytes`),
     less a reserve for CUDA graphs unless `enforce_eager`. Without a profile the activations count as
@@ -101,8 +107,9 @@ def profile_memory(
     model: Any, model_config: ModelConfig, config: EngineConfig, device: torch.device, kv_cache_dtype: torch.dtype
 ) -> MemoryProfile:
     """CUDA only: run one forward of `max_num_batched_tokens` tokens (one prefill, the largest step
-    the scheduler makes) and the LM head for up to `max_num_seqs` rows, on a scratch cache just big
-    enough, and measure the peak memory it allocates above the loaded weights.
+    the scheduler makes) over a cached prefix of `context_chunk_tokens` (so the chunked context path
+    runs with its largest chunk) and the LM head for up to `max_num_seqs` rows, on a scratch cache
+    just big enough, and measure the peak memory it allocates above the loaded weights.
 
     Under tensor parallelism rank 0 profiles alone (ranks are symmetric): the model's collectives are
     swapped for local stand-ins of the same shapes for this one forward, so no other rank takes part.
@@ -116,14 +123,19 @@ def profile_memory(
     tokens = config.max_num_batched_tokens
     if config.max_model_len:
         tokens = min(tokens, config.max_model_len)
-    blocks = -(-tokens // config.block_size)
+    prefix = config.context_chunk_tokens
+    if config.max_model_len:
+        prefix = max(0, min(prefix, config.max_model_len - tokens))
+    blocks = -(-(tokens + prefix) // config.block_size)
     cache = torch.zeros(
         model_config.num_hidden_layers, blocks, config.block_size, model_config.kv_cache_dim,
         dtype=kv_cache_dtype, device=device,
     )
     cache_bytes = cache.numel() * cache.element_size()
     with local_collectives(model):
-        batch = ForwardBatch.contiguous([tokens], [tokens], config.block_size, device=device)
+        batch = ForwardBatch.contiguous(
+            [tokens], [tokens + prefix], config.block_size, device=device, context_chunk_tokens=config.context_chunk_tokens
+        )
         ids = torch.randint(0, model_config.vocab_size, (tokens,), device=device)
         hidden = model(ids, batch, cache)
         model.compute_logits(hidden[-min(config.max_num_seqs, tokens):])
@@ -223,10 +235,16 @@ class ModelRunner:
         max_model_len: int | None = None,
         enforce_eager: bool = False,
         static_decode: bool | None = None,
+        context_chunk_tokens: int = DEFAULT_CONTEXT_CHUNK_TOKENS,
+        context_parallel: ContextParallelGroup | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
-        self.block_size = block_size
+        self.block_size = block_size  # tokens per cache block on this rank
+        self.context_parallel = context_parallel
+        self.context_chunk_tokens = context_chunk_tokens
+        # tokens per block of the scheduler's block tables (a virtual block spans the DCP group)
+        self.table_block_size = block_size * (context_parallel.size if context_parallel is not None else 1)
         self.device = torch.device(device)
         self.peers = peers
         self.num_blocks = num_blocks
@@ -243,8 +261,8 @@ class ModelRunner:
             device=self.device,
         )
         self.scratch_slot = num_blocks * block_size
-        max_len = max_model_len if max_model_len is not None else num_blocks * block_size
-        self.max_blocks_per_seq = -(-max_len // block_size)
+        max_len = max_model_len if max_model_len is not None else num_blocks * self.table_block_size
+        self.max_blocks_per_seq = -(-max_len // self.table_block_size)
 
         tp_size = getattr(getattr(model, "parallel", None), "tp_size", 1)
         if static_decode is None:
@@ -276,7 +294,7 @@ class ModelRunner:
                 break
         if reordered:  # e.g. a newly admitted sequence whose prompt was all but one token cached
             order = [p for p in order if p[1].num_new_tokens == 1] + [p for p in order if p[1].num_new_tokens != 1]
-        bs = self.block_size
+        bs = self.table_block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -341,6 +359,9 @@ class ModelRunner:
                 block_size=self.block_size,
                 device=self.device,
                 kv_scale=self.kv_scale,
+                context_chunk_tokens=self.context_chunk_tokens,
+                context_parallel=self.context_parallel,
+                scratch_slot=self.scratch_slot,
             )
             input_ids = torch.tensor(inputs.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
             hidden = self.model(input_ids, batch, self.kv_cache)
@@ -376,6 +397,7 @@ class ModelRunner:
                 num_decode_seqs=size,
                 prefill=None,
                 kv_scale=self.kv_scale,
+                context_parallel=self.context_parallel,
             )
         return static
 
@@ -391,6 +413,10 @@ class ModelRunner:
         step[1, :n], step[1, n:] = inputs.positions, 0
         step[2, :n], step[2, n:] = inputs.slots, self.scratch_slot
         step[3, :n], step[3, n:] = inputs.context_lens, 0
+        dcp = self.context_parallel
+        if dcp is not None:  # this rank's slots and token counts (see forward_batch.py)
+            step[2, :n] = local_slots(step[2, :n], self.block_size, dcp, self.scratch_slot)
+            step[3, :n] = np.maximum(0, -(-(step[3, :n] - dcp.rank) // dcp.size))
         tables = np.zeros((size, width), dtype=np.int32)
         for i, t in enumerate(inputs.block_tables):
             tables[i, : len(t)] = t

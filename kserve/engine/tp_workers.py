@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kserve.distributed import ParallelState
+from kserve.distributed import ContextParallelGroup, ParallelState, context_parallel_groups
 from kserve.engine.errors import FatalEngineError
 from kserve.engine.model_runner import ModelRunner, StepInputs
 from kserve.engine.rank_launch import RankLayout
@@ -116,8 +116,10 @@ def run_worker_rank(layout: RankLayout, rank: int, model_dir: str, device: str, 
             elif message.kind == MessageKind.HEARTBEAT:
                 continue
             elif message.kind == MessageKind.INIT:
-                num_blocks, block_size, options = message.init
-                runner = ModelRunner(model, model.config, num_blocks, block_size, dev, dtype, **options)
+                num_blocks, block_size, options, dcp_size = message.init
+                context_parallel = context_parallel_groups(rank, layout.world_size, dcp_size)  # collective
+                runner = ModelRunner(model, model.config, num_blocks, block_size, dev, dtype,
+                                     context_parallel=context_parallel, **options)
                 store.set(_READY_KEY.format(rank=rank), "ok")
             else:  # SHUTDOWN
                 logger.info("tensor-parallel rank %d: rank 0 shut the engine down; exiting", rank)
@@ -258,6 +260,7 @@ class TensorParallelWorkers:
             raise
         self._channel = StepChannel(control)
         self.parallel = ParallelState(tp_rank=0, tp_size=world, group=dist.group.WORLD)
+        self.context_parallel: ContextParallelGroup | None = None  # rank 0's DCP group, set by init_cache
         threading.Thread(target=self._heartbeat, name="kserve-heartbeat", daemon=True).start()
 
     # ------------------------------------------------------------------ liveness
@@ -305,10 +308,15 @@ class TensorParallelWorkers:
             self._last_send = time.monotonic()
 
     # ------------------------------------------------------------------ the engine's calls
-    def init_cache(self, num_blocks: int, block_size: int, runner_options: dict[str, Any] | None = None) -> None:
+    def init_cache(self, num_blocks: int, block_size: int, runner_options: dict[str, Any] | None = None,
+                   dcp_size: int = 1) -> None:
         """Each worker allocates its cache; `runner_options` are ModelRunner keyword arguments (kv dtype ...).
-        Returns once every rank is ready; raises RankLostError if one fails or the wait runs out."""
-        self._send("the cache setup", self._channel.send_init, (num_blocks, block_size, dict(runner_options or {})))
+        Every rank then forms its decode-context-parallel group of `dcp_size` ranks (rank 0's lands in
+        `self.context_parallel`). Returns once every rank is ready; raises RankLostError if one fails or
+        the wait runs out."""
+        self._send("the cache setup", self._channel.send_init,
+                   (num_blocks, block_size, dict(runner_options or {}), dcp_size))
+        self.context_parallel = context_parallel_groups(0, self.world, dcp_size)
         waiting = set(range(1, self.world))
         deadline = time.monotonic() + self.layout.ready_timeout_s
         while waiting:

@@ -19,7 +19,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from kserve.distributed import ContextParallelGroup
+
 FP8_MAX = 448.0
+# Query rows of one score tile in the plain-torch attention-with-LSE (scores are [heads, rows, keys] fp32).
+LSE_QUERY_TILE = 256
 
 
 def flash_attn_varlen():
@@ -40,6 +44,14 @@ def write_latents(cache: torch.Tensor, slot_mapping: torch.Tensor, latents: torc
         flat.view(torch.uint8).index_copy_(0, slot_mapping, quantized.view(torch.uint8))
     else:
         flat.index_copy_(0, slot_mapping, latents.to(cache.dtype))
+
+
+def as_cached(latents: torch.Tensor, cache_dtype: torch.dtype, kv_scale: float = 1.0) -> torch.Tensor:
+    """`latents` as a read from a `cache_dtype` cache would return them (rounded through FP8 for an FP8 cache)."""
+    if cache_dtype != torch.float8_e4m3fn:
+        return latents.to(cache_dtype).to(latents.dtype)
+    stored = (latents.float() / kv_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (stored.float() * kv_scale).to(latents.dtype)
 
 
 def read_latents(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, kv_scale: float = 1.0) -> torch.Tensor:
@@ -107,3 +119,73 @@ def varlen_causal_attention(
         q_start += q_len
         k_start += k_len
     return out
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [Q, H, D], k [S, H, D], v [S, H, Dv] -> (out [Q, H, Dv] in q's dtype, natural log-sum-exp [Q, H] fp32).
+
+    `causal` needs Q == S (a sequence's new tokens attending each other). flash-attn on CUDA in fp16/bf16,
+    torch's CPU flash kernel on the CPU, else plain torch in query tiles; none holds all Q x S scores.
+    """
+    num_q, num_k, v_head = q.shape[0], k.shape[0], v.shape[-1]
+    if causal and num_q != num_k:
+        raise ValueError(f"causal attention with LSE needs as many queries as keys, got {num_q} and {num_k}")
+    v_pad = F.pad(v, (0, q.shape[-1] - v_head)) if v_head < q.shape[-1] else v
+    flash = flash_attn_varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
+    if flash is not None:
+        cu_q = torch.tensor([0, num_q], dtype=torch.int32, device=q.device)
+        cu_k = torch.tensor([0, num_k], dtype=torch.int32, device=q.device)
+        out, lse, _ = flash(q, k, v_pad, cu_q, cu_k, num_q, num_k, softmax_scale=scale, causal=causal,
+                            return_attn_probs=True)
+        return out[..., :v_head], lse.transpose(0, 1).float()
+    if q.device.type == "cpu" and q.dtype == k.dtype == v.dtype:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v_pad.transpose(0, 1)[None], 0.0, causal, scale=scale
+        )
+        return out[0, :, :, :v_head].transpose(0, 1), lse[0].transpose(0, 1).float()
+    out = q.new_empty(num_q, q.shape[1], v_head)
+    lse = torch.empty(num_q, q.shape[1], dtype=torch.float32, device=q.device)
+    keys, values = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [H, S, D]
+    for first in range(0, num_q, LSE_QUERY_TILE):
+        last = min(num_q, first + LSE_QUERY_TILE)
+        scores = torch.matmul(q[first:last].float().transpose(0, 1), keys.transpose(1, 2)) * scale  # [H, q, S]
+        if causal:
+            rows = torch.arange(first, last, device=q.device)[:, None]
+            scores.masked_fill_(torch.arange(num_k, device=q.device)[None, :] > rows, float("-inf"))
+        tile_lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - tile_lse[..., None])
+        out[first:last] = torch.matmul(probs, values).transpose(0, 1).to(out.dtype)
+        lse[first:last] = tile_lse.transpose(0, 1)
+    return out, lse
+
+
+def merge_attention_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of two disjoint key sets from each one's output [..., Dv] and natural
+    log-sum-exp [...]. A set with no keys has LSE -inf and weighs nothing. Returns fp32 (out, lse)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    base = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    weight_a = torch.exp(lse_a - base)[..., None]
+    weight_b = torch.exp(lse_b - base)[..., None]
+    return out_a.float() * weight_a + out_b.float() * weight_b, lse
+
+
+def gather_heads(x: torch.Tensor, dcp: ContextParallelGroup) -> torch.Tensor:
+    """[T, H_local, W] on each group rank -> [T, dcp * H_local, W]: the group's heads in group-rank order."""
+    gathered = dcp.all_gather(x)  # [dcp, T, H_local, W]
+    return gathered.transpose(0, 1).reshape(x.shape[0], dcp.size * x.shape[1], x.shape[2])
+
+
+def merge_context_parallel(out: torch.Tensor, lse: torch.Tensor, dcp: ContextParallelGroup) -> torch.Tensor:
+    """Each group rank attended the group's heads over its own tokens: out [T, dcp * H_local, C] and natural
+    LSE [T, dcp * H_local]. Returns this rank's heads [T, H_local, C] over all tokens, exactly: the LSEs are
+    all-gathered, each rank rescales its part, and a reduce-scatter sums the parts head-shard by head-shard."""
+    total = torch.logsumexp(dcp.all_gather(lse), dim=0)
+    base = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    weighted = out.float() * torch.exp(lse - base)[..., None]
+    tokens, heads, width = out.shape
+    parts = weighted.view(tokens, dcp.size, heads // dcp.size, width).transpose(0, 1)
+    return dcp.reduce_scatter(parts)

@@ -14,7 +14,16 @@ from kserve.distributed import ParallelState
 from kserve.kernels.mla_decode import mla_decode
 from kserve.layers.embedding import LMHead, VocabEmbedding
 from kserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from kserve.layers.mla_attention import read_latents, varlen_causal_attention, write_latents
+from kserve.layers.mla_attention import (
+    as_cached,
+    attention_with_lse,
+    gather_heads,
+    merge_attention_states,
+    merge_context_parallel,
+    read_latents,
+    varlen_causal_attention,
+    write_latents,
+)
 from kserve.layers.mlp import GatedMLP
 from kserve.layers.moe import DeepseekMoE
 from kserve.layers.norm import RMSNorm
@@ -32,8 +41,10 @@ class MLAttention(nn.Module):
     """Multi-head latent attention, heads split over tensor-parallel ranks.
 
     Prefill-like sequences (query_len > 1) decompress their cached context through kv_b_proj
-    ("naive" path); decode sequences (query_len == 1) absorb W_UK into the query and W_UV into the
-    output and attend over the latents directly ("absorbed" path).
+    ("naive" path), in bounded chunks merged by log-sum-exp when the batch says so; decode sequences
+    (query_len == 1) absorb W_UK into the query and W_UV into the output and attend over the latents
+    directly ("absorbed" path). Under decode context parallelism each rank attends the group's heads
+    over the tokens it holds and the group merges the results (kserve/layers/mla_attention.py).
     """
 
     def __init__(
@@ -100,7 +111,8 @@ class MLAttention(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)
         c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         k_pe = rotary(positions, kv[:, self.kv_lora_rank :])
-        write_latents(cache, batch.slot_mapping, torch.cat([c_kv, k_pe], dim=-1), batch.kv_scale)
+        latents = torch.cat([c_kv, k_pe], dim=-1)
+        write_latents(cache, batch.slot_mapping, latents, batch.kv_scale)
 
         # decode rows first, then prefill rows: the split is host ints from the runner
         num_decode = batch.num_decode_seqs
@@ -109,7 +121,10 @@ class MLAttention(nn.Module):
             parts.append(self._absorbed(q_nope[:num_decode], q_pe[:num_decode], batch, cache))
         if batch.prefill is not None:
             start = batch.prefill.token_start
-            parts.append(self._naive(q_nope[start:], q_pe[start:], batch, cache))
+            if batch.prefill.context_chunks is None:
+                parts.append(self._naive(q_nope[start:], q_pe[start:], batch, cache))
+            else:
+                parts.append(self._naive_chunked(q_nope[start:], q_pe[start:], latents[start:], batch, cache))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head))
 
@@ -118,24 +133,64 @@ class MLAttention(nn.Module):
         num_decode = q_nope.shape[0]
         w_uk, w_uv = self._absorption_weights()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [D, H, C]
-        o_lat = mla_decode(
-            q_lat, q_pe, cache, batch.block_tables[:num_decode], batch.context_lens[:num_decode], self.scale, batch.kv_scale
-        )
+        tables, lens = batch.block_tables[:num_decode], batch.context_lens[:num_decode]
+        dcp = batch.context_parallel
+        if dcp is None:
+            o_lat = mla_decode(q_lat, q_pe, cache, tables, lens, self.scale, batch.kv_scale)
+        else:  # the group's heads over this rank's tokens, then an exact merge across the group
+            query = gather_heads(torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1), dcp)
+            o_lat, lse = mla_decode(
+                query[..., : self.kv_lora_rank], query[..., self.kv_lora_rank :], cache, tables, lens,
+                self.scale, batch.kv_scale, return_lse=True,
+            )
+            o_lat = merge_context_parallel(o_lat, lse, dcp)
         return torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _decompress(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [S, C + R] -> keys [S, H, nope + rope] and values [S, H, v_head] through kv_b_proj."""
+        c_kv, k_pe = latents[:, : self.kv_lora_rank], latents[:, self.kv_lora_rank :]
+        kv = self.kv_b_proj(c_kv).view(latents.shape[0], self.num_heads, self.qk_nope + self.v_head)
+        k_nope, v = kv.split([self.qk_nope, self.v_head], dim=-1)
+        return torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1), v
 
     def _naive(self, q_nope, q_pe, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
         """All prefill sequences at once: one gather of their contexts, one kv_b_proj, one varlen attention."""
         prefill = batch.prefill
         latents = read_latents(cache, prefill.context_slots, q_nope.dtype, batch.kv_scale)
-        c_kv, k_pe = latents[:, : self.kv_lora_rank], latents[:, self.kv_lora_rank :]
-        kv = self.kv_b_proj(c_kv).view(latents.shape[0], self.num_heads, self.qk_nope + self.v_head)
-        k_nope, v = kv.split([self.qk_nope, self.v_head], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+        k, v = self._decompress(latents)
         qry = torch.cat([q_nope, q_pe], dim=-1)
         return varlen_causal_attention(
             qry, k, v, prefill.query_lens, prefill.context_lens, prefill.cu_seqlens_q, prefill.cu_seqlens_k, self.scale,
             prefill.dense_mask,
         )
+
+    def _naive_chunked(self, q_nope, q_pe, new_latents, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        """Prefill sequences one by one: the new tokens causally from this step's latents (as the cache holds
+        them), then each chunk of the cached prefix (gathered from the group under DCP), merged by LSE."""
+        prefill = batch.prefill
+        dcp = batch.context_parallel
+        qry = torch.cat([q_nope, q_pe], dim=-1)
+        new_latents = as_cached(new_latents, cache.dtype, batch.kv_scale)
+        out = qry.new_empty(qry.shape[0], self.num_heads, self.v_head)
+        start = 0
+        for seq, q_len in enumerate(prefill.query_lens):
+            queries = qry[start : start + q_len]
+            k, v = self._decompress(new_latents[start : start + q_len])
+            seq_out, seq_lse = attention_with_lse(queries, k, v, self.scale, causal=True)
+            del k, v
+            for chunk in prefill.context_chunks:
+                if chunk.seq != seq:
+                    continue
+                rows = read_latents(cache, chunk.slots, qry.dtype, batch.kv_scale)
+                if dcp is not None:  # group rank r holds positions start + r, start + r + dcp, ...
+                    rows = dcp.all_gather(rows).transpose(0, 1).reshape(-1, rows.shape[-1])[: chunk.end - chunk.start]
+                k, v = self._decompress(rows)
+                chunk_out, chunk_lse = attention_with_lse(queries, k, v, self.scale, causal=False)
+                del k, v
+                seq_out, seq_lse = merge_attention_states(seq_out, seq_lse, chunk_out, chunk_lse)
+            out[start : start + q_len] = seq_out.to(out.dtype)
+            start += q_len
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -271,6 +326,7 @@ def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
 
 
 def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of latent cache per token over all layers (replicated on every tensor-parallel rank);
+    """Bytes of latent cache per token over all layers (on every tensor-parallel rank that holds the token:
+    all of them, or one rank of each decode-context-parallel group);
     `dtype` is the cache's (torch.float8_e4m3fn for the FP8 cache: one byte per value, one global scale)."""
     return config.num_hidden_layers * config.kv_cache_dim * torch.empty((), dtype=dtype).element_size()

@@ -15,6 +15,15 @@ query length, is a "prefill" sequence: the naive path over its context, all of t
 attention call described by `prefill`. The model runner orders decodes first, so in an engine step
 only prefill chunks follow; a batch built in another order is still correct, only slower.
 
+Long contexts and decode context parallelism (DCP): when the prefill sequences' contexts together
+exceed `context_chunk_tokens`, or under DCP, each prefill sequence attends its new tokens causally
+(from this step's own latents) and its cached prefix in `context_chunks` of at most that many
+positions, merged by log-sum-exp, so no step decompresses more than a fixed number of context tokens.
+Under DCP the inputs are global: slots and block tables address virtual blocks of
+`block_size * dcp` tokens, of which group rank r holds positions r, r + dcp, ... as an ordinary paged
+sequence of `block_size`-token blocks with the same block ids. `build` turns them into this rank's
+slots (tokens it does not hold write to `scratch_slot`) and context lengths.
+
 Everything here is built by the runner from host (scheduler) data; the model reads it and never
 reads a device tensor back on the host. Layers do no per-step bookkeeping of their own.
 """
@@ -26,8 +35,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kserve.distributed import ContextParallelGroup
+
 # Largest block-diagonal prefill mask (query tokens x context tokens) built for the SDPA fallback.
 DENSE_MASK_MAX_ELEMENTS = 1 << 20
+# Most cached context positions a prefill step decompresses through kv_b_proj at once (EngineConfig's default).
+DEFAULT_CONTEXT_CHUNK_TOKENS = 8192
 
 
 def slot_of(block_table: list[int], position: int, block_size: int) -> int:
@@ -53,6 +66,29 @@ def block_causal_mask(
 
 
 @dataclass(frozen=True)
+class ContextChunk:
+    """Cached positions [start, end) of prefill sequence `seq`: this rank's cache slots for the positions it
+    holds (under DCP group rank r: start + r, start + r + dcp, ...), padded with the scratch slot to
+    ceil((end - start) / dcp) entries so every group rank gathers the same count."""
+
+    seq: int
+    start: int
+    end: int
+    slots: torch.Tensor  # int64
+
+
+def local_slots(slots: np.ndarray, block_size: int, dcp: ContextParallelGroup | None, scratch_slot: int) -> np.ndarray:
+    """Global slots (virtual blocks of block_size * dcp tokens) -> this rank's cache slots; a token
+    another group rank holds goes to `scratch_slot`."""
+    if dcp is None:
+        return slots
+    virtual = block_size * dcp.size
+    block, offset = np.divmod(slots, virtual)
+    local = block * block_size + offset // dcp.size
+    return np.where(offset % dcp.size == dcp.rank, local, scratch_slot)
+
+
+@dataclass(frozen=True)
 class PrefillMetadata:
     """The prefill sequences of a step: sequences num_decode_seqs..num_seqs-1, tokens token_start.. of the batch.
 
@@ -72,6 +108,9 @@ class PrefillMetadata:
     # mask for one SDPA call over all prefill sequences. Built only for several sequences whose mask
     # stays small (DENSE_MASK_MAX_ELEMENTS); otherwise None and SDPA runs per sequence.
     dense_mask: torch.Tensor | None = None
+    # None: one gather and one attention call over every context (the fields above). Otherwise the
+    # chunked path: per sequence, its new tokens causally, then these chunks of its cached prefix.
+    context_chunks: tuple[ContextChunk, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +144,8 @@ class ForwardBatch:
     # Latents are stored in the cache as latent / kv_scale (one global scale, see
     # layers/mla_attention.py write_latents); readers multiply by it. 1.0 for a model-dtype cache.
     kv_scale: float = 1.0
+    # decode context parallelism: block_tables/context_lens/slot_mapping are already this rank's
+    context_parallel: ContextParallelGroup | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -130,8 +171,15 @@ class ForwardBatch:
         block_size: int,
         device: torch.device | str = "cpu",
         kv_scale: float = 1.0,
+        context_chunk_tokens: int = DEFAULT_CONTEXT_CHUNK_TOKENS,
+        context_parallel: ContextParallelGroup | None = None,
+        scratch_slot: int | None = None,
     ) -> ForwardBatch:
-        """All of a step's metadata from host lists (block table rows may differ in length)."""
+        """All of a step's metadata from host lists (block table rows may differ in length).
+
+        Under `context_parallel` the positions, slots and block tables are global (see the module doc)
+        and `scratch_slot` takes the writes of tokens that other group ranks hold."""
+        dcp = context_parallel
         num_seqs = len(query_lens)
         if not num_seqs or len(context_lens) != num_seqs or len(block_tables) != num_seqs:
             raise ValueError(
@@ -141,11 +189,16 @@ class ForwardBatch:
         num_tokens = sum(query_lens)
         if len(positions) != num_tokens or len(slots) != num_tokens:
             raise ValueError(f"{len(positions)} positions and {len(slots)} slots for {num_tokens} query tokens")
+        if context_chunk_tokens < 1:
+            raise ValueError(f"context_chunk_tokens must be positive, got {context_chunk_tokens}")
+        if dcp is not None and scratch_slot is None:
+            raise ValueError("decode context parallelism needs a scratch slot for the tokens other ranks hold")
+        table_block = block_size * (dcp.size if dcp is not None else 1)  # tokens per block-table entry
         for i, (q, c) in enumerate(zip(query_lens, context_lens)):
-            if q < 1 or c < q or len(block_tables[i]) * block_size < c:
+            if q < 1 or c < q or len(block_tables[i]) * table_block < c:
                 raise ValueError(
                     f"sequence {i}: query_len {q}, context_len {c} and {len(block_tables[i])} blocks of "
-                    f"{block_size} do not fit together"
+                    f"{table_block} do not fit together"
                 )
         num_decode = 0
         while num_decode < num_seqs and query_lens[num_decode] == 1:
@@ -170,6 +223,21 @@ class ForwardBatch:
             np.cumsum(p_query, out=cu_q[1:])
             cu_k = np.zeros(len(p_context) + 1, dtype=np.int32)
             np.cumsum(p_context, out=cu_k[1:])
+        if num_decode < num_seqs and (dcp is not None or sum(p_context) > context_chunk_tokens):
+            chunks = _context_chunks(
+                [table_array[i] for i in rows], p_query, p_context, block_size, context_chunk_tokens, dcp,
+                scratch_slot if scratch_slot is not None else 0, dev,
+            )
+            prefill = PrefillMetadata(
+                token_start=int(query_start[num_decode]),
+                query_lens=p_query,
+                context_lens=p_context,
+                cu_seqlens_q=dev(cu_q),
+                cu_seqlens_k=dev(cu_k),
+                context_slots=dev(np.zeros(0, dtype=np.int64)),
+                context_chunks=chunks,
+            )
+        elif num_decode < num_seqs:
             offsets = np.arange(block_size, dtype=np.int64)
             context_slots = np.concatenate(
                 [
@@ -189,11 +257,16 @@ class ForwardBatch:
                 context_slots=dev(context_slots),
                 dense_mask=block_causal_mask(p_query, p_context, cu_q_dev, cu_k_dev) if dense else None,
             )
+        slot_array = np.asarray(slots, dtype=np.int64)
+        context_array = np.asarray(context_lens, dtype=np.int32)
+        if dcp is not None:
+            slot_array = local_slots(slot_array, block_size, dcp, scratch_slot)
+            context_array = np.maximum(0, -(-(context_array - dcp.rank) // dcp.size)).astype(np.int32)
         return cls(
             positions=dev(np.asarray(positions, dtype=np.int64)),
-            slot_mapping=dev(np.asarray(slots, dtype=np.int64)),
+            slot_mapping=dev(slot_array),
             block_tables=dev(table_array),
-            context_lens=dev(np.asarray(context_lens, dtype=np.int32)),
+            context_lens=dev(context_array),
             query_start_loc=dev(query_start),
             query_lens=list(query_lens),
             context_lens_host=list(context_lens),
@@ -201,6 +274,7 @@ class ForwardBatch:
             num_decode_seqs=num_decode,
             prefill=prefill,
             kv_scale=kv_scale,
+            context_parallel=dcp,
         )
 
     @classmethod
@@ -212,6 +286,7 @@ class ForwardBatch:
         first_block: int = 0,
         device: torch.device | str = "cpu",
         kv_scale: float = 1.0,
+        context_chunk_tokens: int = DEFAULT_CONTEXT_CHUNK_TOKENS,
     ) -> ForwardBatch:
         """A batch whose sequences own consecutive, disjoint blocks starting at `first_block`.
 
@@ -237,4 +312,40 @@ class ForwardBatch:
             block_size=block_size,
             device=device,
             kv_scale=kv_scale,
+            context_chunk_tokens=context_chunk_tokens,
         )
+
+
+def _context_chunks(
+    tables: list[np.ndarray],
+    query_lens: tuple[int, ...],
+    context_lens: tuple[int, ...],
+    block_size: int,
+    chunk_tokens: int,
+    dcp: ContextParallelGroup | None,
+    scratch_slot: int,
+    dev,
+) -> tuple[ContextChunk, ...]:
+    """The cached prefix of each prefill sequence cut into chunks of at most `chunk_tokens` positions (a
+    multiple of the DCP size), with this rank's slots for each; one host-to-device copy for all of them."""
+    size, rank = (dcp.size, dcp.rank) if dcp is not None else (1, 0)
+    step = max(size, chunk_tokens // size * size)
+    plan, pieces = [], []
+    for seq, (table, q, c) in enumerate(zip(tables, query_lens, context_lens)):
+        for start in range(0, c - q, step):
+            end = min(c - q, start + step)
+            count = -(-(end - start) // size)
+            positions = start + rank + size * np.arange(count, dtype=np.int64)
+            local = positions // size  # this rank's index of each position it holds
+            entry = np.minimum(local // block_size, len(table) - 1)  # padding positions may run past the table
+            slots = table[entry].astype(np.int64) * block_size + local % block_size
+            pieces.append(np.where(positions < end, slots, scratch_slot))
+            plan.append((seq, start, end, count))
+    if not plan:
+        return ()
+    all_slots = dev(np.concatenate(pieces))
+    chunks, offset = [], 0
+    for seq, start, end, count in plan:
+        chunks.append(ContextChunk(seq, start, end, all_slots[offset : offset + count]))
+        offset += count
+    return tuple(chunks)

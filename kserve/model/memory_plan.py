@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from kserve.config import ModelConfig
+from kserve.config import ModelConfig, check_context_parallel
 from kserve.distributed import ParallelState
+from kserve.model.forward_batch import DEFAULT_CONTEXT_CHUNK_TOKENS
 
 GIB = 1 << 30
 DEFAULT_OVERHEAD_BYTES = 2 * GIB
@@ -101,23 +102,32 @@ def weights_bytes_per_rank(
 
 
 def estimate_activation_bytes(
-    config: ModelConfig, tp_size: int, max_num_batched_tokens: int, max_num_seqs: int, dtype: torch.dtype
+    config: ModelConfig,
+    tp_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    dtype: torch.dtype,
+    context_chunk_tokens: int = DEFAULT_CONTEXT_CHUNK_TOKENS,
 ) -> int:
     """A planning estimate of one rank's peak activation memory for a step of `max_num_batched_tokens`
-    tokens in one prefill (context = the chunk): the engine measures the real figure.
+    tokens in one prefill over a long cached context: the engine measures the real figure.
 
     Counted: a dozen hidden-sized fp32 temporaries per token (residual, norms, the fp32 copy the
-    activation quantizer makes, the all-reduce buffer); attention's per-rank q/k/v and the kv_b_proj
-    decompression of the context; the MoE's worst case of every routed pair on this rank (fp32
-    per-pair outputs and the gate/up intermediate); eager attention scores for the chunk; and the
-    LM head's logits for up to `max_num_seqs` rows, local plus gathered, in fp32.
+    activation quantizer makes, the all-reduce buffer); attention's per-rank queries and outputs, and
+    the kv_b_proj decompression of at most max(chunk, context_chunk_tokens) context tokens (longer
+    contexts go in chunks of that many, merged by log-sum-exp); the MoE's worst case of every routed
+    pair on this rank (fp32 per-pair outputs and the gate/up intermediate); eager attention scores for
+    the chunk; and the LM head's logits for up to `max_num_seqs` rows, local plus gathered, in fp32.
     """
     t = max_num_batched_tokens
     c = config
     a = torch.empty((), dtype=dtype).element_size()
     heads = c.num_attention_heads // tp_size
     hidden = 12 * t * c.hidden_size * 4
-    attention = t * heads * (2 * c.qk_head_dim + c.qk_nope_head_dim + 2 * c.v_head_dim) * a * 2
+    decompressed = max(t, context_chunk_tokens)
+    attention = heads * a * 2 * (
+        t * (c.qk_head_dim + c.v_head_dim) + decompressed * (c.qk_head_dim + c.qk_nope_head_dim + c.v_head_dim)
+    )
     scores = heads * t * t * 4
     pairs = t * c.num_experts_per_tok
     moe = pairs * (c.hidden_size * 4 + 3 * c.moe_intermediate_size * a) if c.n_routed_experts else 0
@@ -131,6 +141,7 @@ def estimate_activation_bytes(
 class MemoryPlan:
     model: str
     tp_size: int
+    decode_context_parallel_size: int
     gpu_memory_bytes: int
     gpu_memory_utilization: float
     max_model_len: int
@@ -140,9 +151,9 @@ class MemoryPlan:
     weights_max_rank_bytes: int
     activation_reserve_bytes: int
     overhead_bytes: int
-    kv_cache_bytes: int
-    kv_bytes_per_token: int
-    kv_tokens: int
+    kv_cache_bytes: int  # per rank
+    kv_bytes_per_token: int  # on the rank that holds the token
+    kv_tokens: int  # per decode-context-parallel group (all ranks when it is 1)
     concurrent_seqs_at_max_model_len: int
     fits: bool
     why: str
@@ -155,6 +166,9 @@ class MemoryPlan:
         lines = [
             f"model                      {self.model}",
             f"tensor parallel            {self.tp_size} ranks",
+            f"decode context parallel    {self.decode_context_parallel_size}"
+            + (" (each rank holds 1/%d of every sequence's cache)" % self.decode_context_parallel_size
+               if self.decode_context_parallel_size > 1 else " (every rank holds every token's latent)"),
             (
                 f"GPU memory                 {g(self.gpu_memory_bytes)} x {self.gpu_memory_utilization} usable"
                 f" = {g(int(self.gpu_memory_bytes * self.gpu_memory_utilization))}"
@@ -166,7 +180,7 @@ class MemoryPlan:
         lines += [
             f"activation reserve         {g(self.activation_reserve_bytes)} (estimate at {self.max_num_batched_tokens} batched tokens)",
             f"overhead reserve           {g(self.overhead_bytes)} (CUDA context, NCCL, workspaces, CUDA graphs)",
-            f"KV cache                   {g(max(0, self.kv_cache_bytes))}",
+            f"KV cache                   {g(max(0, self.kv_cache_bytes))} per rank",
             f"KV bytes per token         {self.kv_bytes_per_token:,} ({self.kv_cache_dtype})",
             f"KV tokens                  {self.kv_tokens:,}",
             f"full-length sequences      {self.concurrent_seqs_at_max_model_len} (of {self.max_model_len:,} tokens)",
@@ -189,18 +203,25 @@ def plan_memory(
     block_size: int = 16,
     dtype: torch.dtype = torch.bfloat16,
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+    decode_context_parallel_size: int = 1,
+    context_chunk_tokens: int = DEFAULT_CONTEXT_CHUNK_TOKENS,
 ) -> MemoryPlan:
+    """Under decode context parallelism each rank's cache holds 1/dcp of every sequence, so the same bytes
+    per rank hold dcp times the tokens."""
     from kserve.model.deepseek_v3 import check_tensor_parallel, kv_cache_bytes_per_token
 
     check_tensor_parallel(config, tp_size)
+    check_context_parallel(tp_size, decode_context_parallel_size)
     max_model_len = max_model_len or config.max_position_embeddings
     per_rank = weights_bytes_per_rank(config, tp_size, dtype)
     weights = max(per_rank)
-    activation = estimate_activation_bytes(config, tp_size, max_num_batched_tokens, max_num_seqs, dtype)
+    activation = estimate_activation_bytes(
+        config, tp_size, max_num_batched_tokens, max_num_seqs, dtype, context_chunk_tokens
+    )
     budget = kv_cache_budget_bytes(gpu_memory_bytes, gpu_memory_utilization, weights, activation, overhead_bytes)
     per_token = kv_cache_bytes_per_token(config, kv_cache_dtype_for(kv_cache_dtype, dtype))
     blocks = kv_blocks_for_budget(budget, per_token, block_size, reserved_blocks=1)
-    tokens = blocks * block_size
+    tokens = blocks * block_size * decode_context_parallel_size
     usable = int(gpu_memory_bytes * gpu_memory_utilization)
     if weights > usable:
         fits, why = False, (
@@ -223,6 +244,7 @@ def plan_memory(
     return MemoryPlan(
         model=model_name,
         tp_size=tp_size,
+        decode_context_parallel_size=decode_context_parallel_size,
         gpu_memory_bytes=gpu_memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
         max_model_len=max_model_len,

@@ -34,6 +34,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         dtype=args.dtype,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
+        decode_context_parallel_size=getattr(args, "decode_context_parallel_size", 1),
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -103,7 +104,12 @@ def run_server(args: argparse.Namespace) -> int:
         logger.info("kserve headless node %d: ranks %d..%d of %d, rank 0 at %s:%s", layout.node_rank,
                     layout.this_rank, local[-1], layout.world_size, layout.master_addr, layout.master_port)
         return run_headless(layout, args.model_dir, args.device, args.dtype)
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:  # an impossible engine configuration: say so, no traceback
+        _configure_logging(args.log_level)
+        logger.error("%s", exc)
+        return 2
     if layout is not None:
         settings.engine.extra[RANK_LAYOUT_KEY] = layout
     return serve(settings)
