@@ -30,6 +30,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="auto = the model dtype; fp8 = an e4m3 latent cache with a scale (half the bytes)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's logits (so its greedy tokens) do not depend on what it is batched with (slower)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--guided-decoding", choices=["on", "off"], default="on",
                    help="grammar-masked decoding for response_format, tool_choice and strict tools")

@@ -310,6 +310,8 @@ class EngineConfig:
     # most cached context positions one prefill decompresses at once (longer contexts go in chunks)
     context_chunk_tokens: int = 8192
     enforce_eager: bool = False  # True = never capture CUDA graphs
+    # True = a request's logits do not depend on its batch (fixed reduction orders; slower)
+    batch_invariant: bool = False
     enable_prefix_caching: bool = True
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

@@ -103,6 +103,7 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "enforce_eager": config.enforce_eager,
             "context_chunk_tokens": config.context_chunk_tokens,
+            "batch_invariant": config.batch_invariant,
         }
         context_parallel = None
         if tp_workers is not None:

@@ -237,8 +237,11 @@ class ModelRunner:
         static_decode: bool | None = None,
         context_chunk_tokens: int = DEFAULT_CONTEXT_CHUNK_TOKENS,
         context_parallel: ContextParallelGroup | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
+        if batch_invariant:  # decided once, before anything runs (see KimiK2ForCausalLM.set_batch_invariant)
+            model.set_batch_invariant(True)
         self.model_config = model_config
         self.block_size = block_size  # tokens per cache block on this rank
         self.context_parallel = context_parallel

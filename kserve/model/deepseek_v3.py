@@ -300,6 +300,13 @@ class KimiK2ForCausalLM(nn.Module):
             raise ValueError(f"kv_cache block size {kv_cache.shape[2]} != batch block size {batch.block_size}")
         return self.model(input_ids, batch, kv_cache)
 
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Switch every module that has a batch-invariant mode (a `batch_invariant` attribute) into or out of
+        it: then a row's results do not depend on the other rows of the batch. Set once, before serving."""
+        for module in self.modules():
+            if hasattr(module, "batch_invariant"):
+                module.batch_invariant = enabled
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab_size]. Under tensor parallelism this all-gathers the vocabulary

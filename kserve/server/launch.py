@@ -44,6 +44,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         enforce_eager=getattr(args, "enforce_eager", False),
+        batch_invariant=getattr(args, "batch_invariant", False),
     )
     return ServerSettings(
         engine=engine,
