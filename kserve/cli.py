@@ -30,6 +30,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="auto = the model dtype; fp8 = an e4m3 latent cache with a scale (half the bytes)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    p.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON (vLLM\'s keys): {"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4} or {"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": 3}')
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's logits (so its greedy tokens) do not depend on what it is batched with (slower)")
     p.add_argument("--no-prefix-caching", action="store_true")

@@ -312,6 +312,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True = never capture CUDA graphs
     # True = a request's logits do not depend on its batch (fixed reduction orders; slower)
     batch_invariant: bool = False
+    # speculative decoding, vLLM's keys: {"method": "ngram" | "eagle3", "num_speculative_tokens": k, ...}
+    # (a JSON string or a dict; kserve/engine/speculative.py)
+    speculative_config: Any = None
     enable_prefix_caching: bool = True
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

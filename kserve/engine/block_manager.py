@@ -176,6 +176,16 @@ class BlockManager:
         seq.num_computed_tokens = 0
         self.seq_chains.pop(seq.seq_id, None)
 
+    def release_tail(self, seq: Sequence, keep: int) -> None:
+        """Give back the sequence's blocks after its first `keep` (room reserved for drafts that were
+        rejected: never registered in the prefix cache, so reused first)."""
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.hash is None, "a draft block must be private and uncached"
+            self.free_ids[block.block_id] = None
+            self.free_ids.move_to_end(block.block_id, last=False)
+
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             if block.hash is not None and block.ref_count == 0:

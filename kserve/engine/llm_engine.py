@@ -28,6 +28,7 @@ from kserve.engine.sampling_params import SamplingParams
 from kserve.engine.scheduler import Scheduler
 from kserve.engine.seeds import completion_seed
 from kserve.engine.sequence import Sequence
+from kserve.engine.speculative import SpecDecodeStats, SpeculativeConfig, make_proposer
 from kserve.engine.stop_tokens import collect_eos_ids
 from kserve.model import kv_cache_bytes_per_token
 
@@ -44,6 +45,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_preemptions: int
+    spec_decode: SpecDecodeStats | None = None  # with --speculative-config
 
 
 logger = logging.getLogger(__name__)
@@ -114,6 +116,9 @@ class LLMEngine:
             context_parallel=context_parallel, **runner_options,
         )
         self.sampler = Sampler(eos, self.device)
+        self.spec_config = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = make_proposer(self.spec_config, self) if self.spec_config is not None else None
+        self.spec_stats = SpecDecodeStats() if self.spec_config is not None else None
         self._seed_rng = random.Random(config.seed)  # seeds for requests that bring none
         self.output_processor = OutputProcessor(tokenizer, eos, self.max_model_len)
 
@@ -238,10 +243,13 @@ class LLMEngine:
         the engine can serve no more. Per-request failures (a logits processor or grammar raising, a
         row with no allowed token) fail only their request and never count here.
         """
+        if self.proposer is not None:
+            self._propose_drafts()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return self._unblock()
         sampling = [item.seq for item in out.scheduled if item.samples]
+        drafts = {item.seq.seq_id: item.draft_token_ids for item in out.scheduled if item.num_draft_tokens}
         try:
             faults = self.config.extra.get(STEP_FAULTS_KEY)  # tests and the fault harness only
             if faults is not None:
@@ -251,14 +259,15 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 -- retried; the engine dies only if it keeps failing
             return self._step_failed(out.scheduled, exc)
         self.consecutive_step_failures = 0
-        sampled = self._sample(logits, sampling) if sampling else None
-
         changed: dict[str, Request] = {}
         if self._suspects:  # the step ran without them: they made it fail
             suspects, self._suspects = self._suspects, {}
             for request_id, error in suspects.items():
                 for request in self.fail_requests({request_id}, error):
                     changed[request_id] = request
+        if drafts:
+            return self._verify_and_append(logits, sampling, drafts, changed)
+        sampled = self._sample(logits, sampling) if sampling else None
         if sampled is not None:
             append_token = self.output_processor.append_token
             requests = self.requests
@@ -277,6 +286,65 @@ class LLMEngine:
             for row, exc in errors.items():
                 for request in self.fail_requests({sampling[row].request_id}, exc):
                     changed[request.request_id] = request
+        for request_id, request in changed.items():
+            if request.finished:
+                self.requests.pop(request_id, None)
+        return list(changed.values())
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _propose_drafts(self) -> None:
+        """Drafts for every running sequence about to decode, never past its max_tokens or the context."""
+        for seq in self.scheduler.running:
+            seq.draft_token_ids = []
+            if len(seq.token_ids) - seq.num_computed_tokens != 1:
+                continue
+            room = self.max_model_len - len(seq.token_ids) - 1
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+            if room > 0:
+                seq.draft_token_ids = self.proposer.propose(seq, room)
+
+    def _verify_and_append(self, logits: torch.Tensor, sampling: list[Sequence],
+                           drafts: dict[int, list[int]], changed: dict[str, Request]) -> list[Request]:
+        """Sample position by position, exactly as plain decoding would, while the target agrees with the
+        drafts. Logits rows come in scheduled order: one per sequence, or 1 + k for a verified one.
+        Position j of every sequence still accepting is sampled in one batched call after position j - 1's
+        tokens were appended (penalties, grammar, stop strings and seeds all see the same history)."""
+        first_row: dict[int, int] = {}
+        row = 0
+        for seq in sampling:
+            first_row[seq.seq_id] = row
+            row += 1 + len(drafts.get(seq.seq_id, ()))
+        accepted = dict.fromkeys(drafts, 0)
+        active, position, appended = list(sampling), 0, 0
+        while active:
+            rows = torch.tensor([first_row[s.seq_id] + position for s in active], device=logits.device)
+            sampled = self._sample(logits.index_select(0, rows), active)
+            still = []
+            for i, (seq, token_id, logprob) in enumerate(zip(active, sampled.token_ids, sampled.logprobs)):
+                error = sampled.errors.get(i)
+                if error is None:
+                    try:
+                        self.output_processor.append_token(seq, token_id, logprob)
+                        appended += 1
+                    except Exception as exc:  # noqa: BLE001 -- user code (a constraint) raised
+                        error = exc
+                if error is not None:
+                    for request in self.fail_requests({seq.request_id}, error):
+                        changed[request.request_id] = request
+                    continue
+                changed[seq.request_id] = self.requests[seq.request_id]
+                proposal = drafts.get(seq.seq_id, ())
+                if position < len(proposal) and token_id == proposal[position] and not seq.is_finished:
+                    accepted[seq.seq_id] += 1
+                    still.append(seq)
+            active, position = still, position + 1
+        self.generation_tokens_total += appended
+        for seq in sampling:
+            if seq.seq_id in drafts:
+                self.spec_stats.record(len(drafts[seq.seq_id]), accepted[seq.seq_id])
+                self.scheduler.accept_drafts(seq, accepted[seq.seq_id])
+        self.scheduler.remove_finished(sampling)
         for request_id, request in changed.items():
             if request.finished:
                 self.requests.pop(request_id, None)
@@ -374,4 +442,5 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions=self.scheduler.num_preemptions,
+            spec_decode=self.spec_stats,
         )

@@ -318,6 +318,18 @@ class ModelRunner:
                 query_lens.append(1)
                 context_lens.append(start + 1)
                 end = start + 1
+            elif item.num_draft_tokens:  # verify: the last token and its drafts, every position sampled
+                count = item.num_new_tokens
+                input_ids.append(seq.token_ids[start])
+                input_ids.extend(item.draft_token_ids)
+                positions.extend(range(start, start + count))
+                slots.extend(slot_of(table, p, bs) for p in range(start, start + count))
+                query_lens.append(count)
+                context_lens.append(start + count)
+                first_row = len(input_ids) - count
+                sample_rows.extend(range(first_row, first_row + count))
+                sample_keys.extend([index] * count)
+                continue
             else:
                 end = start + item.num_new_tokens
                 input_ids.extend(seq.token_ids[start:end])
@@ -340,7 +352,8 @@ class ModelRunner:
         return StepInputs(input_ids, positions, slots, tables, query_lens, context_lens, sample_rows, padded)
 
     def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Run one step; return float32 logits for the sampling rows, in scheduled order."""
+        """Run one step; return float32 logits for the sampling rows, in scheduled order (a verified
+        sequence has one row per position: its last token's, then each draft's)."""
         inputs = self.prepare(scheduled)
         if self.peers is not None:
             self.peers.broadcast(inputs)

@@ -23,12 +23,18 @@ from kserve.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # tokens the model computes for it this step, drafts included
+    num_draft_tokens: int = 0  # speculative drafts after its last token (seq.draft_token_ids[:n])
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the sequence's last token, so the step samples a new one."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+        real = self.num_new_tokens - self.num_draft_tokens
+        return self.seq.num_computed_tokens + real == len(self.seq.token_ids)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.seq.draft_token_ids[: self.num_draft_tokens]
 
 
 @dataclass
@@ -86,6 +92,12 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            num_draft = 0
+            if num_new == 1 and seq.draft_token_ids:  # a decode with drafts to verify, if they fit
+                num_draft = min(len(seq.draft_token_ids), budget - 1)
+                if num_draft and not bm.append_slots(seq, 1 + num_draft):
+                    num_draft = 0  # no room for the drafts: decode plainly rather than preempt for them
+                num_new += num_draft
             while not bm.append_slots(seq, num_new):
                 victim = self.running[-1]
                 if victim.seq_id in scheduled_ids:
@@ -99,7 +111,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.scheduled.append(ScheduledSeq(seq, num_new, num_draft))
             scheduled_ids.add(seq.seq_id)
             seq.last_scheduled_step = next(self._serials)
             budget -= num_new
@@ -130,14 +142,29 @@ class Scheduler:
         return out
 
     def finish_step(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts after the model ran `out`, and cache full blocks."""
-        bs = self.block_manager.block_size
+        """Advance computed-token counts after the model ran `out`, and cache full blocks. Drafts count
+        only once accepted (`accept_drafts`)."""
         for item in out.scheduled:
-            seq = item.seq
-            before = seq.num_computed_tokens
-            seq.num_computed_tokens = before + item.num_new_tokens
-            if seq.num_computed_tokens // bs != before // bs:  # a block filled up
-                self.block_manager.register_computed(seq)
+            self._advance(item.seq, item.num_new_tokens - item.num_draft_tokens)
+
+    def accept_drafts(self, seq: Sequence, accepted: int) -> None:
+        """After a verify step: the first `accepted` drafts are now the sequence's tokens and their latents
+        are in the cache; blocks that only rejected drafts used go back to the pool."""
+        seq.draft_token_ids = []
+        if seq.is_finished:
+            return
+        self._advance(seq, accepted)
+        bm = self.block_manager
+        keep = bm.blocks_needed(len(seq.token_ids))
+        if len(seq.block_table) > keep:
+            bm.release_tail(seq, keep)
+
+    def _advance(self, seq: Sequence, count: int) -> None:
+        bs = self.block_manager.block_size
+        before = seq.num_computed_tokens
+        seq.num_computed_tokens = before + count
+        if seq.num_computed_tokens // bs != before // bs:  # a block filled up
+            self.block_manager.register_computed(seq)
 
     def remove_finished(self, candidates: list[Sequence]) -> list[Sequence]:
         """Free the finished sequences among `candidates` (those that just got a token)."""

@@ -100,6 +100,8 @@ class Sequence:
         self.sent_tokens = 0
         self.sent_logprobs = 0
         self.last_scheduled_step = -1  # the scheduler's serial when this last ran (orders round-robin)
+        # speculative decoding: tokens a proposer suggests after the last one, verified next step
+        self.draft_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 
 from kserve.config import EngineConfig
+from kserve.engine.speculative import SpeculativeConfig
 from kserve.server.app import (
     EngineDeathHandler,
     EngineLoader,
@@ -45,6 +46,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         enforce_eager=getattr(args, "enforce_eager", False),
         batch_invariant=getattr(args, "batch_invariant", False),
+        # parsed here so that a bad value fails at start with its message
+        speculative_config=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
     )
     return ServerSettings(
         engine=engine,
