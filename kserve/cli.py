@@ -77,6 +77,8 @@ def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variant", choices=["k2", "v3", "k25"], default="k2",
                    help="k2: K2-Instruct (block FP8); v3: DeepSeek-V3 routing; k25: K2.6 (kimi_k25 wrapper, INT4 experts)")
+    p.add_argument("--eagle3-draft-for", metavar="TARGET_DIR", default=None,
+                   help="write a tiny random EAGLE-3 draft (LlamaForCausalLMEagle3 layout) for this target instead")
     p.add_argument("--geometry", choices=["k2", "small"], default="k2",
                    help="attention widths: K2's (qk_nope 128, rope 64, v 128, kv_lora 512) or the older small ones")
 
@@ -154,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         from kserve.server.launch import run_server
 
         return run_server(args) or 0
+    if args.command == "make-tiny" and args.eagle3_draft_for:
+        from kserve.tiny.eagle3_draft import write_tiny_eagle3_draft
+
+        print(write_tiny_eagle3_draft(args.dir, args.eagle3_draft_for, seed=args.seed))
+        return 0
     if args.command == "make-tiny":
         from kserve.tiny import write_tiny_checkpoint
 

@@ -107,18 +107,22 @@ class LLMEngine:
             "context_chunk_tokens": config.context_chunk_tokens,
             "batch_invariant": config.batch_invariant,
         }
+        self.spec_config = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = (make_proposer(self.spec_config, model, self.device, dtype)
+                         if self.spec_config is not None else None)
+        self.spec_stats = SpecDecodeStats() if self.spec_config is not None else None
         context_parallel = None
         if tp_workers is not None:
             tp_workers.init_cache(num_blocks, config.block_size, runner_options, config.decode_context_parallel_size)
             context_parallel = tp_workers.context_parallel
         self.runner = ModelRunner(
             model, model_config, num_blocks, config.block_size, self.device, dtype, peers=tp_workers,
-            context_parallel=context_parallel, **runner_options,
+            context_parallel=context_parallel,
+            aux_hidden_layers=self.proposer.aux_layers if self.proposer is not None else (), **runner_options,
         )
+        if self.proposer is not None:
+            self.proposer.runner = self.runner
         self.sampler = Sampler(eos, self.device)
-        self.spec_config = SpeculativeConfig.parse(config.speculative_config)
-        self.proposer = make_proposer(self.spec_config, self) if self.spec_config is not None else None
-        self.spec_stats = SpecDecodeStats() if self.spec_config is not None else None
         self._seed_rng = random.Random(config.seed)  # seeds for requests that bring none
         self.output_processor = OutputProcessor(tokenizer, eos, self.max_model_len)
 
@@ -266,7 +270,7 @@ class LLMEngine:
                 for request in self.fail_requests({request_id}, error):
                     changed[request_id] = request
         if drafts:
-            return self._verify_and_append(logits, sampling, drafts, changed)
+            return self._verify_and_append(logits, out.scheduled, sampling, drafts, changed)
         sampled = self._sample(logits, sampling) if sampling else None
         if sampled is not None:
             append_token = self.output_processor.append_token
@@ -286,6 +290,8 @@ class LLMEngine:
             for row, exc in errors.items():
                 for request in self.fail_requests({sampling[row].request_id}, exc):
                     changed[request.request_id] = request
+        if self.proposer is not None:
+            self.proposer.observe(out.scheduled, {})
         for request_id, request in changed.items():
             if request.finished:
                 self.requests.pop(request_id, None)
@@ -304,7 +310,7 @@ class LLMEngine:
             if room > 0:
                 seq.draft_token_ids = self.proposer.propose(seq, room)
 
-    def _verify_and_append(self, logits: torch.Tensor, sampling: list[Sequence],
+    def _verify_and_append(self, logits: torch.Tensor, scheduled: list, sampling: list[Sequence],
                            drafts: dict[int, list[int]], changed: dict[str, Request]) -> list[Request]:
         """Sample position by position, exactly as plain decoding would, while the target agrees with the
         drafts. Logits rows come in scheduled order: one per sequence, or 1 + k for a verified one.
@@ -344,6 +350,7 @@ class LLMEngine:
             if seq.seq_id in drafts:
                 self.spec_stats.record(len(drafts[seq.seq_id]), accepted[seq.seq_id])
                 self.scheduler.accept_drafts(seq, accepted[seq.seq_id])
+        self.proposer.observe(scheduled, accepted)
         self.scheduler.remove_finished(sampling)
         for request_id, request in changed.items():
             if request.finished:

@@ -238,6 +238,7 @@ class ModelRunner:
         context_chunk_tokens: int = DEFAULT_CONTEXT_CHUNK_TOKENS,
         context_parallel: ContextParallelGroup | None = None,
         batch_invariant: bool = False,
+        aux_hidden_layers: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         if batch_invariant:  # decided once, before anything runs (see KimiK2ForCausalLM.set_batch_invariant)
@@ -267,9 +268,14 @@ class ModelRunner:
         max_len = max_model_len if max_model_len is not None else num_blocks * self.table_block_size
         self.max_blocks_per_seq = -(-max_len // self.table_block_size)
 
+        # EAGLE-3: the residual stream entering these layers is kept for the draft after each step (rank 0)
+        self.aux_hidden_layers = tuple(aux_hidden_layers)
+        self.last_aux_hidden: torch.Tensor | None = None  # [num_tokens, len(layers) * hidden], flat batch order
+        self.last_row_starts: list[int] = []  # first flat-batch row of each scheduled sequence, scheduled order
         tp_size = getattr(getattr(model, "parallel", None), "tp_size", 1)
         if static_decode is None:
-            static_decode = self.device.type == "cuda" and not enforce_eager and tp_size == 1 and peers is None
+            static_decode = (self.device.type == "cuda" and not enforce_eager and tp_size == 1 and peers is None
+                             and not self.aux_hidden_layers)
         self.decode_buckets = decode_batch_buckets(max_num_seqs) if static_decode else []
         self.static: _StaticDecodeInputs | None = self._make_static_inputs() if static_decode else None
         self.graphs: dict[int, Any] = {}
@@ -306,8 +312,10 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_keys: list[int] = []  # scheduled index of each sampled row
+        row_starts = [0] * len(scheduled)
         for index, item in order:
             seq = item.seq
+            row_starts[index] = len(input_ids)
             start = seq.num_computed_tokens
             table = seq.block_table
             tables.append(table)
@@ -342,6 +350,7 @@ class ModelRunner:
                 sample_keys.append(index)
         if reordered:
             sample_rows = [row for _, row in sorted(zip(sample_keys, sample_rows))]
+        self.last_row_starts = row_starts
         padded = None
         if (
             self.decode_buckets
@@ -380,7 +389,10 @@ class ModelRunner:
                 scratch_slot=self.scratch_slot,
             )
             input_ids = torch.tensor(inputs.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            hidden = self.model(input_ids, batch, self.kv_cache)
+            if self.aux_hidden_layers:
+                hidden, self.last_aux_hidden = self.model(input_ids, batch, self.kv_cache, self.aux_hidden_layers)
+            else:
+                hidden = self.model(input_ids, batch, self.kv_cache)
         if not inputs.sample_rows:
             return torch.empty(0, 0, device=self.device)
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long).to(self.device, non_blocking=True)

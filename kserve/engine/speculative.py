@@ -73,14 +73,21 @@ class SpeculativeConfig:
 
 
 class Proposer(Protocol):
-    """Suggests draft tokens for sequences about to decode; `observe` sees every finished step."""
+    """Suggests draft tokens for sequences about to decode; `observe` sees every step once it is sampled
+    (`accepted`: drafts kept per sequence id). `aux_layers`: target layers whose input it reads."""
+
+    aux_layers: tuple[int, ...]
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]: ...
+
+    def observe(self, scheduled: list, accepted: dict[int, int]) -> None: ...
 
 
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (n from
     prompt_lookup_max down to prompt_lookup_min) and propose the tokens that followed it."""
+
+    aux_layers: tuple[int, ...] = ()
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
@@ -101,6 +108,9 @@ class NgramProposer:
                 if np.array_equal(tokens[start : start + n], tail):
                     return tokens[start + n : start + n + count].tolist()
         return []
+
+    def observe(self, scheduled: list, accepted: dict[int, int]) -> None:
+        """Prompt lookup keeps no state."""
 
 
 @dataclass
@@ -131,10 +141,10 @@ class SpecDecodeStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-def make_proposer(config: SpeculativeConfig, engine: Any) -> Proposer:
-    """The proposer a configuration names (the EAGLE-3 draft is loaded beside the engine's model)."""
+def make_proposer(config: SpeculativeConfig, model: Any, device: Any, dtype: Any) -> Proposer:
+    """The proposer a configuration names (an EAGLE-3 draft is loaded beside the target model, on rank 0)."""
     if config.method == "ngram":
         return NgramProposer(config)
     from kserve.engine.eagle3 import Eagle3Proposer
 
-    return Eagle3Proposer(config, engine)
+    return Eagle3Proposer(config, model, device, dtype)

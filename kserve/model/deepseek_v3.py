@@ -243,11 +243,19 @@ class DeepseekV3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.rotary_emb = YarnRotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, device=device)
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, aux_layers: tuple[int, ...] = ()
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         hidden = self.embed_tokens(input_ids)
-        for layer, cache in zip(self.layers, kv_cache):
+        aux = []
+        for index, (layer, cache) in enumerate(zip(self.layers, kv_cache)):
+            if index in aux_layers:  # the residual stream entering this layer (EAGLE-3's auxiliary states)
+                aux.extend([hidden] * aux_layers.count(index))
             hidden = layer(batch.positions, hidden, batch, cache, self.rotary_emb)
-        return self.norm(hidden)
+        if not aux_layers:
+            return self.norm(hidden)
+        by_layer = dict(zip(sorted(aux_layers), aux))
+        return self.norm(hidden), torch.cat([by_layer[i] for i in aux_layers], dim=-1)
 
 
 class KimiK2ForCausalLM(nn.Module):
@@ -285,7 +293,11 @@ class KimiK2ForCausalLM(nn.Module):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, parallel, dtype=dtype, device=device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, aux_layers: tuple[int, ...] = ()
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Final-normed hidden [T, H]; with `aux_layers`, also the residual stream entering each of those layers,
+        concatenated in that order [T, len(aux_layers) * H] (what an EAGLE-3 draft reads)."""
         if kv_cache.shape[0] != self.config.num_hidden_layers or kv_cache.shape[-1] != self.config.kv_cache_dim:
             raise ValueError(
                 f"kv_cache shape {tuple(kv_cache.shape)} does not fit {self.config.num_hidden_layers} layers "
@@ -298,7 +310,7 @@ class KimiK2ForCausalLM(nn.Module):
             )
         if kv_cache.shape[2] != batch.block_size:
             raise ValueError(f"kv_cache block size {kv_cache.shape[2]} != batch block size {batch.block_size}")
-        return self.model(input_ids, batch, kv_cache)
+        return self.model(input_ids, batch, kv_cache, aux_layers)
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Switch every module that has a batch-invariant mode (a `batch_invariant` attribute) into or out of

@@ -123,6 +123,21 @@ class ServerMetrics:
         if engine_stats is not None:
             for key, value in _stats_items(engine_stats):
                 metric(f"kserve_engine_{key}", "gauge", f"engine stat {key}", [("", value)])
+            spec = getattr(engine_stats, "spec_decode", None)
+            if spec is not None:  # vLLM's names, kserve_ prefix
+                for name, value, help_text in (
+                    ("num_drafts", spec.num_drafts, "verify steps that carried drafts (per sequence)"),
+                    ("num_draft_tokens", spec.num_draft_tokens, "draft tokens proposed and verified"),
+                    ("num_accepted_tokens", spec.num_accepted_tokens, "draft tokens accepted"),
+                ):
+                    metric(f"kserve_spec_decode_{name}_total", "counter", help_text, [("", value)])
+                metric("kserve_spec_decode_num_accepted_tokens_per_pos_total", "counter",
+                       "accepted draft tokens by position in the draft",
+                       [(f'{{position="{i}"}}', n) for i, n in enumerate(spec.accepted_per_position)])
+                metric("kserve_spec_decode_acceptance_rate", "gauge", "accepted / drafted tokens",
+                       [("", spec.acceptance_rate)])
+                metric("kserve_spec_decode_mean_accepted_length", "gauge",
+                       "tokens per verify step per sequence (accepted drafts + 1)", [("", spec.mean_accepted_length)])
         return "\n".join(lines) + "\n"
 
 
