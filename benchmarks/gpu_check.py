@@ -1017,6 +1017,22 @@ def stage_decode_step(plan: Plan, budget: Budget, limits: dict[str, float]) -> t
         ratio = min(eager_ms, data.get("graph_ms", float("inf"))) / floor_ms
         rows.append(Row("decode_step", f"decode B={b} ctx={ctx}", value, "<= 2x bandwidth floor",
                         "ok" if ratio <= 2 else "below goal", data))
+    # speculative decoding's verify step: k + 1 = 4 positions per sequence in one forward (eager)
+    for b in [x for x in plan.decode_batches if x <= 64][:2]:
+        if budget.spent():
+            rows.append(Row("decode_step", f"verify B={b}", "-", status="skipped: stage time budget spent"))
+            continue
+        try:
+            verify = fb.ForwardBatch.contiguous([4] * b, [ctx + 1] * b, block_size, device=plan.device)
+            ids = torch.randint(0, config.vocab_size, (4 * b,), device=plan.device)
+            ms = time_ms([lambda v=verify, i=ids: model.compute_logits(model(i, v, kv_cache))], plan,
+                         iters=max(1, plan.iters // 2))
+            plain = next((d["eager_ms"] for bb, _, d in measured if bb == b), None)
+            ratio = f" ({ms / plain:.2f}x a decode step)" if plain else ""
+            rows.append(Row("decode_step", f"verify B={b} k=3 ctx={ctx}", f"eager {ms:.2f} ms{ratio}", "",
+                            data={"verify_ms": ms, "decode_ms": plain}))
+        except Exception as exc:  # noqa: BLE001 - a failing row is recorded
+            rows.append(Row("decode_step", f"verify B={b}", "-", status=f"error: {type(exc).__name__}: {str(exc)[:300]}"))
     measured.clear()
     del model, kv_cache
     release(plan.device)
