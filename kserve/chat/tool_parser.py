@@ -61,6 +61,9 @@ class ToolCallDelta:
     id: str | None = None
     name: str | None = None
     arguments: str = ""
+    # Where the piece comes in the output: after this many characters of its StreamDelta's content (a delta of
+    # several tokens can hold content, a call and more content; ``content`` alone does not say which came first).
+    offset: int = 0
 
 
 @dataclass
@@ -196,7 +199,8 @@ class StreamingToolParser:
         piece = "".join(self._ws_hold) + stripped
         self._ws_hold = [text[len(stripped):]] if len(stripped) < len(text) else []
         self._args.append(piece)
-        self._out.tool_calls.append(ToolCallDelta(index=self._call.index, arguments=piece))
+        self._out.tool_calls.append(ToolCallDelta(index=self._call.index, arguments=piece,
+                                                  offset=len(self._out.content)))
 
     def _marker(self, marker: str) -> None:
         state = self._state
@@ -237,7 +241,8 @@ class StreamingToolParser:
         self._args = []
         self._ws_hold = []
         self._args_started = False
-        self._out.tool_calls.append(ToolCallDelta(index=self._call.index, id=call_id, name=name))
+        self._out.tool_calls.append(ToolCallDelta(index=self._call.index, id=call_id, name=name,
+                                                  offset=len(self._out.content)))
         self._state = _State.ARGS
 
     def _close_call(self, complete: bool) -> None:

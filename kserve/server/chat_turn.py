@@ -49,7 +49,7 @@ class FinishedTurn:
 
 @dataclass
 class TurnDelta:
-    """New reasoning text, visible text and tool-call pieces, in that order within the delta."""
+    """New reasoning text, visible text and tool-call pieces, in that order within the delta (and in the output)."""
 
     reasoning: str = ""
     content: str = ""
@@ -108,11 +108,12 @@ async def stream_turn(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
             if first_token is None and output.token_ids:
                 first_token = time.monotonic() - start
             finished = output.finish_reason is not None
-            delta = TurnDelta.of(state.advance(output.text[state.text_sent:], final=finished))
-            state.text_sent = len(output.text)
-            reasoning.append(delta.reasoning)
-            content.append(delta.content)
-            if not delta.empty():
+            new_text, state.text_sent = output.text[state.text_sent:], len(output.text)
+            # In output order: one engine step may add text after a call, which must not jump ahead of it.
+            for piece in state.advance_in_order(new_text, final=finished):
+                delta = TurnDelta.of(piece)
+                reasoning.append(delta.reasoning)
+                content.append(delta.content)
                 yield delta
             if finished:
                 calls, finish = state.finish(ctx, prep, output.finish_reason)

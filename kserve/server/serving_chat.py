@@ -226,6 +226,7 @@ class ChoiceStream:
     text_sent: int = 0
     tokens_sent: int = 0
     args_sent: dict[int, str] = field(default_factory=dict)  # call index -> arguments streamed so far
+    open_call: int | None = None  # the call whose header was streamed last, until something follows it
     done: bool = False
 
     @classmethod
@@ -239,7 +240,16 @@ class ChoiceStream:
 
     def advance(self, new_text: str, final: bool) -> ChatDelta:
         """Content / reasoning / tool-call deltas for `new_text` (plus the parsers' held-back tail if final)."""
-        delta = ChatDelta()
+        return _chat_deltas(self._pieces(new_text, final), in_order=False)[0]
+
+    def advance_in_order(self, new_text: str, final: bool) -> list[ChatDelta]:
+        """What `advance` gives, cut where the output's order needs it: within each delta reasoning comes before
+        content and content before tool calls, so text that follows a call (one engine step can hold several
+        tokens: the end of a call, the section end, more text) starts the next delta. No empty deltas."""
+        return [d for d in _chat_deltas(self._pieces(new_text, final), in_order=True) if not _delta_is_empty(d)]
+
+    def _pieces(self, new_text: str, final: bool) -> list[tuple[str, Any]]:
+        """What `new_text` adds, in output order: ("reasoning", text), ("content", text), ("call", ToolCallDelta)."""
         reasoning, content = "", new_text
         if self.reasoning_parser is not None:
             r = self.reasoning_parser.feed(new_text)
@@ -247,23 +257,46 @@ class ChoiceStream:
             if final:
                 tail = self.reasoning_parser.finish()
                 reasoning, content = reasoning + tail.reasoning, content + tail.content
-        calls: list[ToolCallDeltaOut] = []
-        if self.tool_parser is not None:
-            parts = [self.tool_parser.feed(content)]
-            if final:
-                parts.append(self.tool_parser.finish())
-            content = "".join(p.content for p in parts)
-            for part in parts:
-                for d in part.tool_calls:
-                    self._merge_call_delta(calls, d)
-            if final:
-                for call in self.calls():
-                    if not self.args_sent.get(call.index):
-                        self._merge_call_delta(calls, ToolCallDelta(index=call.index, arguments=NO_ARGUMENTS))
-        delta.reasoning_content = delta.reasoning = reasoning or None
-        delta.content = content or None
-        delta.tool_calls = calls or None
-        return delta
+        pieces: list[tuple[str, Any]] = [("reasoning", reasoning)] if reasoning else []
+        if self.tool_parser is None:
+            self._text(pieces, content)
+            return pieces
+        parts = [self.tool_parser.feed(content)]
+        if final:
+            parts.append(self.tool_parser.finish())
+        for part in parts:
+            at = 0
+            for d in part.tool_calls:
+                self._text(pieces, part.content[at:d.offset])
+                at = max(at, d.offset)
+                self._call(pieces, d)
+            self._text(pieces, part.content[at:])
+        if final:
+            self._call_done(pieces)
+        return pieces
+
+    def _text(self, pieces: list[tuple[str, Any]], text: str) -> None:
+        if text:
+            self._call_done(pieces)  # text after a call: the call is over
+            pieces.append(("content", text))
+
+    def _call(self, pieces: list[tuple[str, Any]], d: ToolCallDelta) -> None:
+        if self.max_calls is not None and d.index >= self.max_calls:
+            return
+        if d.id is not None:  # the header: id, type and the complete name, exactly once per call
+            self._call_done(pieces)
+            self.args_sent[d.index] = ""
+            self.open_call = d.index
+        self.args_sent[d.index] = self.args_sent.get(d.index, "") + d.arguments
+        pieces.append(("call", d))
+
+    def _call_done(self, pieces: list[tuple[str, Any]]) -> None:
+        """The open call is over: if it streamed no arguments it gets "{}" now, as a whole response has it (and
+        before anything that follows, for clients that append arguments to the latest call)."""
+        index, self.open_call = self.open_call, None
+        if index is not None and not self.args_sent[index]:
+            self.args_sent[index] = NO_ARGUMENTS
+            pieces.append(("call", ToolCallDelta(index=index, arguments=NO_ARGUMENTS)))
 
     def calls(self) -> list[ParsedToolCall]:
         calls = self.tool_parser.calls if self.tool_parser is not None else []
@@ -278,19 +311,34 @@ class ChoiceStream:
         ctx.metrics.count_finish(finish)
         return calls, finish
 
-    def _merge_call_delta(self, calls: list[ToolCallDeltaOut], d: Any) -> None:
-        if self.max_calls is not None and d.index >= self.max_calls:
-            return
-        if d.id is not None:  # the header: id, type and the complete name, exactly once per call
-            self.args_sent.setdefault(d.index, "")
-            calls.append(ToolCallDeltaOut(index=d.index, id=d.id, type="function",
-                                          function=FunctionCallDelta(name=d.name, arguments="")))
-        if d.arguments:
-            self.args_sent[d.index] = self.args_sent.get(d.index, "") + d.arguments
-            if calls and calls[-1].index == d.index:
-                calls[-1].function.arguments = (calls[-1].function.arguments or "") + d.arguments
-            else:
-                calls.append(ToolCallDeltaOut(index=d.index, function=FunctionCallDelta(arguments=d.arguments)))
+
+def _chat_deltas(pieces: list[tuple[str, Any]], in_order: bool) -> list[ChatDelta]:
+    """The pieces as one ChatDelta, or (in_order) as several that keep their order: reasoning, content, calls."""
+    deltas = [ChatDelta()]
+    for kind, value in pieces:
+        delta = deltas[-1]
+        if in_order and kind != "call" and (delta.tool_calls or (kind == "reasoning" and delta.content)):
+            delta = ChatDelta()
+            deltas.append(delta)
+        if kind == "reasoning":
+            delta.reasoning_content = delta.reasoning = (delta.reasoning_content or "") + value
+        elif kind == "content":
+            delta.content = (delta.content or "") + value
+        else:
+            delta.tool_calls = _add_call_delta(delta.tool_calls or [], value)
+    return deltas
+
+
+def _add_call_delta(calls: list[ToolCallDeltaOut], d: ToolCallDelta) -> list[ToolCallDeltaOut]:
+    if d.id is not None:
+        calls.append(ToolCallDeltaOut(index=d.index, id=d.id, type="function",
+                                      function=FunctionCallDelta(name=d.name, arguments="")))
+    if d.arguments:
+        if calls and calls[-1].index == d.index:
+            calls[-1].function.arguments = (calls[-1].function.arguments or "") + d.arguments
+        else:
+            calls.append(ToolCallDeltaOut(index=d.index, function=FunctionCallDelta(arguments=d.arguments)))
+    return calls
 
 
 def _delta_is_empty(delta: ChatDelta) -> bool:
