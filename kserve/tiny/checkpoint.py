@@ -2,7 +2,8 @@
 FP8 safetensors shards with their index, and the tokenizer files. The same seed gives byte-identical files.
 
 Variant "k25" is K2.6's layout instead: a `kimi_k25` wrapper config (text model under `text_config`), bf16
-weights with compressed-tensors INT4 routed experts, `language_model.` names, small random vision tensors,
+weights with compressed-tensors INT4 routed experts, `language_model.` names, a small random MoonViT
+tower and patch-merger projector in K2.6's layout (every `vision_tower.*` / `mm_projector.*` tensor, bf16),
 K2.6's tokenizer config and `<|im_end|>` as EOS.
 
 Geometry: by default ("k2") the attention keeps K2's per-head widths (qk_nope 128, qk_rope 64,
@@ -52,10 +53,14 @@ def int4_quantization_config(group_size: int = 32) -> dict[str, Any]:
 
 
 def tiny_vision_config(text_hidden: int) -> dict[str, Any]:
-    """K2.6's `vision_config` keys at tiny sizes."""
+    """K2.6's `vision_config` keys at tiny sizes (a 2-layer MoonViT of width 64, 4 heads, an 8x8 position
+    table), plus the size keys transformers' Kimi_K25VisionConfig reads (`hidden_size`, ...): it ignores
+    Moonshot's `vt_*` keys and would otherwise build the real 1152-wide tower (K2.6's own config.json can omit
+    them because its sizes are transformers' defaults)."""
     return {
-        "init_pos_emb_height": 8, "init_pos_emb_time": 4, "init_pos_emb_width": 8, "merge_kernel_size": [2, 2],
-        "merge_type": "sd2_tpool", "mm_hidden_size": 64, "mm_projector_type": "patchmerger", "patch_size": 14,
+        "hidden_size": 64, "init_pos_emb_height": 8, "init_pos_emb_time": 4, "init_pos_emb_width": 8,
+        "intermediate_size": 128, "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mm_hidden_size": 64,
+        "mm_projector_type": "patchmerger", "num_attention_heads": 4, "num_hidden_layers": 2, "patch_size": 14,
         "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
         "text_hidden_size": text_hidden, "video_attn_type": "spatial_temporal", "vt_hidden_size": 64,
         "vt_intermediate_size": 128, "vt_num_attention_heads": 4, "vt_num_hidden_layers": 2,
@@ -77,21 +82,61 @@ def wrap_k25(text: dict[str, Any], base_vocab: int) -> dict[str, Any]:
     }
 
 
+def vision_tensor_shapes(vision: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every `vision_tower.*` / `mm_projector.*` tensor of a kimi_k25 checkpoint with its shape, in K2.6's
+    published layout (fused `wqkv`, Conv2d patch embedding, [H, W, D] position table, patchmerger `proj.0` /
+    `proj.2`), for the sizes of `vision` (a vision_config with Moonshot's keys)."""
+    width, patch, inter = vision["vt_hidden_size"], vision["patch_size"], vision["vt_intermediate_size"]
+    merged = width * vision["merge_kernel_size"][0] * vision["merge_kernel_size"][1]
+    shapes: dict[str, tuple[int, ...]] = {
+        "vision_tower.patch_embed.proj.weight": (width, 3, patch, patch),
+        "vision_tower.patch_embed.proj.bias": (width,),
+        "vision_tower.patch_embed.pos_emb.weight": (vision["init_pos_emb_height"], vision["init_pos_emb_width"], width),
+    }
+    for i in range(vision["vt_num_hidden_layers"]):
+        block = f"vision_tower.encoder.blocks.{i}."
+        shapes.update({
+            block + "norm0.weight": (width,), block + "norm0.bias": (width,),
+            block + "wqkv.weight": (3 * width, width), block + "wqkv.bias": (3 * width,),
+            block + "wo.weight": (width, width), block + "wo.bias": (width,),
+            block + "norm1.weight": (width,), block + "norm1.bias": (width,),
+            block + "mlp.fc0.weight": (inter, width), block + "mlp.fc0.bias": (inter,),
+            block + "mlp.fc1.weight": (width, inter), block + "mlp.fc1.bias": (width,),
+        })
+    shapes.update({
+        "vision_tower.encoder.final_layernorm.weight": (width,),
+        "vision_tower.encoder.final_layernorm.bias": (width,),
+        "mm_projector.pre_norm.weight": (width,),
+        "mm_projector.pre_norm.bias": (width,),
+        "mm_projector.proj.0.weight": (merged, merged),
+        "mm_projector.proj.0.bias": (merged,),
+        "mm_projector.proj.2.weight": (vision["text_hidden_size"], merged),
+        "mm_projector.proj.2.bias": (vision["text_hidden_size"],),
+    })
+    return shapes
+
+
 def _vision_tensors(vision: dict[str, Any], seed: int) -> dict[str, Any]:
-    """Small random stand-ins for `vision_tower.*` / `mm_projector.*` (kserve does not load them yet)."""
+    """A random MoonViT tower and projector (bf16, as K2.6 ships them), drawn from `seed`: norm scales near
+    1, biases near 0, weights ~ N(0, 1/fan_in), a unit-variance position table, so activations stay O(1)."""
+    import math
+
     import torch
 
     gen = torch.Generator().manual_seed(seed + 1)
-    width, patch = vision["vt_hidden_size"], vision["patch_size"]
-    merged = width * vision["merge_kernel_size"][0] * vision["merge_kernel_size"][1]
-    shapes = {
-        "vision_tower.patch_embed.proj.weight": (width, 3, patch, patch),
-        "vision_tower.patch_embed.proj.bias": (width,),
-        "mm_projector.pre_norm.weight": (width,),
-        "mm_projector.proj.0.weight": (merged, merged),
-        "mm_projector.proj.2.weight": (vision["text_hidden_size"], merged),
-    }
-    return {name: (0.02 * torch.randn(shape, generator=gen)).to(torch.bfloat16) for name, shape in shapes.items()}
+    out = {}
+    for name, shape in vision_tensor_shapes(vision).items():
+        noise = torch.randn(shape, generator=gen)
+        if name.endswith("pos_emb.weight"):
+            t = noise
+        elif len(shape) > 1:
+            t = noise / math.sqrt(math.prod(shape[1:]))
+        elif "norm" in name.rsplit(".", 2)[-2] and name.endswith(".weight"):
+            t = 1.0 + 0.1 * noise
+        else:
+            t = 0.1 * noise
+        out[name] = t.to(torch.bfloat16)
+    return out
 
 
 def tiny_config(variant: str = "k2", geometry: str = "k2") -> dict[str, Any]:
