@@ -208,3 +208,53 @@ def test_served_tool_calls_and_streams_match_plain_decoding(server, ctx) -> None
     assert stats.num_draft_tokens > 0
     assert f"kserve_spec_decode_num_draft_tokens_total {stats.num_draft_tokens}" in metrics
     assert "kserve_spec_decode_acceptance_rate" in metrics
+
+
+class _FourTokens:
+    """A logits processor that leaves four tokens: a small vocabulary for a statistical test."""
+
+    def __init__(self, allowed: list[int]) -> None:
+        self.allowed = allowed
+
+    def __call__(self, output_ids, row):
+        import torch
+
+        masked = torch.full_like(row, float("-inf"))
+        masked[self.allowed] = row[self.allowed]
+        return masked
+
+
+def test_sampled_distribution_is_the_targets(dense_tiny_dir) -> None:
+    """Temperature 1 over a four-token vocabulary: the second token of each completion comes out of a verify step
+    (the n-gram proposer drafts from the repeating prompt). Its frequencies, given the first token, match the
+    target's probabilities (chi-square, 3 degrees of freedom), and drafts were accepted along the way."""
+    import math
+
+    allowed = [40, 41, 42, 43]
+    prompt = [40, 41, 40, 41, 40, 41, 40]
+    runs = 600
+    knobs = {"dtype": "float32", "num_kv_blocks": 256, "max_num_seqs": 256}
+    with LLM(str(dense_tiny_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                       "prompt_lookup_min": 1, "prompt_lookup_max": 2}, **knobs) as llm:
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, logits_processors=[_FourTokens(allowed)])
+                  for s in range(runs)]
+        outs = [o.outputs[0].token_ids for o in llm.generate([prompt] * runs, params, use_tqdm=False)]
+        stats = llm.engine.stats().spec_decode
+    assert stats.num_accepted_tokens > 0
+    first = max(allowed, key=lambda t: sum(o[0] == t for o in outs))
+    seconds = [o[1] for o in outs if o[0] == first]
+    # the target's exact distribution after that first token, from the model itself
+    import torch
+
+    from kserve.model import ForwardBatch, load_model
+
+    model = load_model(dense_tiny_dir, weights="dequantized")
+    ids = torch.tensor(prompt + [first])
+    cache = torch.zeros(model.config.num_hidden_layers, 2, 16, model.config.kv_cache_dim)
+    logits = model.compute_logits(model(ids, ForwardBatch.contiguous([len(ids)], [len(ids)], 16), cache))[-1]
+    probs = dict(zip(allowed, torch.softmax(logits[allowed], dim=-1).tolist()))
+    assert sum(probs.values()) == pytest.approx(1.0, abs=1e-4)
+    chi2 = sum((sum(s == t for s in seconds) - len(seconds) * p) ** 2 / (len(seconds) * p)
+               for t, p in probs.items() if p > 0)
+    assert len(seconds) >= 100
+    assert chi2 < 16.27, (chi2, probs, len(seconds))  # p = 0.001 at 3 degrees of freedom
