@@ -33,6 +33,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON (vLLM\'s keys): {"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4} or {"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": 3}')
+    p.add_argument("--language-model-only", action="store_true",
+                   help="skip a K2.5/K2.6 checkpoint's vision tower (saves its memory; image requests get a 400)")
+    p.add_argument("--allowed-media-domains", nargs="*", default=None, metavar="DOMAIN",
+                   help="domains whose http(s) image URLs the server may fetch (default: none; data: URLs always work)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's logits (so its greedy tokens) do not depend on what it is batched with (slower)")
     p.add_argument("--no-prefix-caching", action="store_true")

@@ -315,6 +315,8 @@ class EngineConfig:
     # speculative decoding, vLLM's keys: {"method": "ngram" | "eagle3", "num_speculative_tokens": k, ...}
     # (a JSON string or a dict; kserve/engine/speculative.py)
     speculative_config: Any = None
+    # True = do not load a multimodal checkpoint's vision tower (saves its memory; image requests get a 400)
+    language_model_only: bool = False
     enable_prefix_caching: bool = True
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

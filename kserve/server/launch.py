@@ -46,6 +46,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         enforce_eager=getattr(args, "enforce_eager", False),
         batch_invariant=getattr(args, "batch_invariant", False),
+        language_model_only=getattr(args, "language_model_only", False),
         # parsed here so that a bad value fails at start with its message
         speculative_config=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
     )
