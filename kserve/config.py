@@ -202,6 +202,9 @@ class ModelConfig:
     weight_prefix: str = ""
     # The family member's chat format when the checkpoint ships no chat template (a shipped one decides itself).
     chat_dialect: str = CHAT_DIALECT_K2
+    # A multimodal wrapper's vision tower (its `vision_config`) and the token id each image embedding replaces.
+    vision_config: dict[str, Any] | None = field(default=None, compare=False, hash=False)
+    media_placeholder_token_id: int | None = None
 
     @property
     def fp8_block(self) -> tuple[int, int] | None:
@@ -249,6 +252,8 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; expected one of {SUPPORTED_MODEL_TYPES}"
             )
         weight_prefix = _WRAPPER_TEXT_PREFIX.get(model_type, "")
+        vision = {"vision_config": raw.get("vision_config"),
+                  "media_placeholder_token_id": raw.get("media_placeholder_token_id")}
         if weight_prefix:
             text = raw.get("text_config")
             if not isinstance(text, dict):
@@ -274,6 +279,7 @@ class ModelConfig:
         kwargs["weight_prefix"] = weight_prefix
         if weight_prefix:
             kwargs["chat_dialect"] = CHAT_DIALECT_KIMI_K25
+            kwargs.update(vision)
         elif isinstance(kwargs["quantization_config"], Int4ExpertQuant):
             kwargs["chat_dialect"] = CHAT_DIALECT_K2_THINKING
         return cls(**kwargs)

@@ -42,6 +42,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: _Stream
+    images: list | None = None  # kserve.engine.multimodal.ImageInput
 
 
 @dataclass
@@ -131,7 +132,7 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ requests
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, images: list | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative snapshots of the request; the last has `finished=True`.
 
@@ -147,8 +148,9 @@ class AsyncLLMEngine:
             raise RuntimeError("AsyncLLMEngine.start() has not been called")
         self._raise_if_dead()
         self.validate_prompt(prompt_token_ids, params)
+        self.engine.validate_images(prompt_token_ids, images)
         stream = _Stream(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, stream))
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, stream, images))
         self._raise_if_dead()  # the loop may have died since the first check: no one would read it
         outputs = OutputAccumulator(request_id, None, list(prompt_token_ids), params.n,
                                     params.logprobs is not None)
@@ -268,7 +270,8 @@ class AsyncLLMEngine:
         engine = self.engine
         if isinstance(command, _Add):
             try:
-                engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+                engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                   images=command.images)
             except Exception as exc:  # noqa: BLE001 -- reported to the request's stream
                 command.stream.put(exc)
                 return

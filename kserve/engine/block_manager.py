@@ -42,6 +42,14 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
+def block_key(seq: Sequence, index: int, block_size: int) -> tuple:
+    """What block `index` of a sequence caches: its token ids, plus the content hashes of any image whose
+    placeholders it holds."""
+    start = index * block_size
+    tokens = tuple(seq.token_ids[start : start + block_size])
+    return tokens + seq.image_keys(start, start + block_size) if seq.images else tokens
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -82,7 +90,7 @@ class BlockManager:
         parent_serial: int | None = None
         bs = self.block_size
         for i in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            tokens = block_key(seq, i, bs)
             h = chain_hash(parent, tokens)
             block_id = self.hash_to_block.get(h)
             if block_id is None or not self.blocks[block_id].holds(parent_serial, tokens):
@@ -140,7 +148,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         parent, parent_serial = chain[-1] if chain else (None, None)
         for i in range(len(chain), num_full):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            tokens = block_key(seq, i, bs)
             h = chain_hash(parent, tokens)
             block = self.blocks[seq.block_table[i]]
             existing = self.hash_to_block.get(h)

@@ -74,8 +74,11 @@ class LLMEngine:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         tp_workers: Any = None,  # kserve.engine.tp_workers.TensorParallelWorkers, ranks 1..N-1
+        vision: Any = None,  # kserve.model.moonvit.KimiVisionModel: the checkpoint's tower, when loaded
     ) -> None:
         self.config = config
+        self.vision = vision
+        self.dtype = dtype
         self.tp_workers = tp_workers
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -132,6 +135,67 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
+    # ------------------------------------------------------------------ images
+    @property
+    def media_placeholder_token_id(self) -> int | None:
+        return self.model_config.media_placeholder_token_id
+
+    @property
+    def supports_images(self) -> bool:
+        return self.vision is not None
+
+    @property
+    def images_unsupported_reason(self) -> str:
+        if self.model_config.vision_config is None:
+            return "this model takes text only (it has no vision tower)"
+        if self.config.language_model_only:
+            return "the server was started with --language-model-only, so the vision tower is not loaded"
+        return "images are not supported with tensor parallelism in this version (use --tp 1)"
+
+    @property
+    def image_config(self) -> Any:
+        """The image preprocessing rules of this model (None without a tower)."""
+        if self.vision is None:
+            return None
+        from kserve.model.vision_preprocess import ImageProcConfig
+
+        if self._image_config is None and self.model_dir is not None:
+            self._image_config = ImageProcConfig.from_model_dir(self.model_dir)
+        return self._image_config
+
+    _image_config: Any = None
+
+    def validate_images(self, prompt_token_ids: list[int], images: list | None) -> None:
+        """Raise PromptRejected unless every image has its run of placeholders, in order (any thread may call)."""
+        from kserve.engine.multimodal import placeholder_runs
+
+        placeholder = self.media_placeholder_token_id
+        runs = placeholder_runs(prompt_token_ids, placeholder) if placeholder is not None else []
+        images = images or []
+        if images and self.vision is None:
+            raise PromptRejected(f"image input is not supported: {self.images_unsupported_reason}")
+        if len(runs) != len(images) or any(length != image.num_tokens for (_, length), image in zip(runs, images)):
+            raise PromptRejected(
+                f"the prompt has {len(runs)} image placeholder runs of lengths {[n for _, n in runs]} for "
+                f"{len(images)} images of {[image.num_tokens for image in images]} tokens"
+            )
+
+    def _encode_images(self, scheduled: list) -> None:
+        """Run the tower once for every scheduled sequence whose images are not encoded yet."""
+        from kserve.model.moonvit import embed_images
+
+        pending = [item.seq for item in scheduled if item.seq.images and item.seq.image_embeds is None]
+        if not pending:
+            return
+        images = [image for seq in pending for image in seq.images]
+        pixels = torch.cat([image.pixel_values for image in images])
+        embeds = embed_images(self.vision, pixels, [image.grid_thw for image in images])
+        at = 0
+        for seq in pending:
+            count = len(seq.images)
+            seq.image_embeds = torch.cat(embeds[at : at + count]).to(self.dtype)
+            at += count
+
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         from kserve.chat import load_tokenizer
@@ -151,7 +215,12 @@ class LLMEngine:
         check_tensor_parallel(ModelConfig.from_model_dir(model_dir), config.tensor_parallel_size)
         if config.tensor_parallel_size == 1:
             model = load_model(model_dir, device=device, dtype=dtype)
-            return cls(model, model.config, tokenizer, config, model_dir, device, dtype)
+            vision = None
+            if model.config.vision_config is not None and not config.language_model_only:
+                from kserve.model.moonvit import load_vision_model
+
+                vision = load_vision_model(model_dir, dtype=dtype, device=device)
+            return cls(model, model.config, tokenizer, config, model_dir, device, dtype, vision=vision)
 
         from kserve.engine.rank_launch import RANK_LAYOUT_KEY
         from kserve.engine.tp_workers import TensorParallelWorkers
@@ -172,11 +241,14 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         prompt: str | None = None,
+        images: list | None = None,
     ) -> Request:
+        """`images` (kserve.engine.multimodal.ImageInput): one per run of placeholder ids in the prompt, in order."""
         params = params if params is not None else SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
+        self.validate_images(prompt_token_ids, images)
         request = Request(request_id, prompt, prompt_token_ids, params)
         arrival = next(self._arrivals)
         share_prompt = params.n > 1 and self.config.enable_prefix_caching
@@ -187,6 +259,11 @@ class LLMEngine:
             )
             if params.guided is not None:
                 seq.constraint = params.guided.make_constraint()
+            if images:
+                from kserve.engine.multimodal import placeholder_runs
+
+                seq.images = list(images)
+                seq.image_spans = placeholder_runs(prompt_token_ids, self.media_placeholder_token_id)
             if share_prompt and index > 0:
                 seq.wait_for = request.seqs[0]
             self.output_processor.start(seq)
@@ -258,6 +335,8 @@ class LLMEngine:
             faults = self.config.extra.get(STEP_FAULTS_KEY)  # tests and the fault harness only
             if faults is not None:
                 faults.before_step()
+            if self.vision is not None:
+                self._encode_images(out.scheduled)
             logits = self.runner.run(out.scheduled)
             self.scheduler.finish_step(out)
         except Exception as exc:  # noqa: BLE001 -- retried; the engine dies only if it keeps failing

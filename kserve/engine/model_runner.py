@@ -168,6 +168,9 @@ class StepInputs:
     context_lens: list[int]
     sample_rows: list[int]  # rows of the flat batch whose logits are sampled, in scheduled order
     padded_batch_size: int | None = None  # decode-only step run on the static buffers at this size
+    # image embeddings that replace these rows' token embeddings (rank 0 only: not sent to other ranks)
+    mm_rows: list[int] | None = None
+    mm_embeds: Any = None  # [len(mm_rows), hidden]
 
 
 class StepBroadcaster(Protocol):
@@ -313,6 +316,8 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_keys: list[int] = []  # scheduled index of each sampled row
         row_starts = [0] * len(scheduled)
+        mm_rows: list[int] = []
+        mm_parts: list[torch.Tensor] = []
         for index, item in order:
             seq = item.seq
             row_starts[index] = len(input_ids)
@@ -345,6 +350,8 @@ class ModelRunner:
                 slots.extend(slot_of(table, p, bs) for p in range(start, end))
                 query_lens.append(item.num_new_tokens)
                 context_lens.append(end)
+            if seq.image_embeds is not None:
+                self._image_rows(seq, start, end, row_starts[index], mm_rows, mm_parts)
             if end == len(seq.token_ids):
                 sample_rows.append(len(input_ids) - 1)
                 sample_keys.append(index)
@@ -358,7 +365,23 @@ class ModelRunner:
             and max(map(len, tables)) <= self.max_blocks_per_seq
         ):
             padded = next(b for b in self.decode_buckets if b >= len(order))
-        return StepInputs(input_ids, positions, slots, tables, query_lens, context_lens, sample_rows, padded)
+        inputs = StepInputs(input_ids, positions, slots, tables, query_lens, context_lens, sample_rows, padded)
+        if mm_rows:
+            inputs.padded_batch_size = None
+            inputs.mm_rows, inputs.mm_embeds = mm_rows, torch.cat(mm_parts)
+        return inputs
+
+    @staticmethod
+    def _image_rows(seq: Any, start: int, end: int, row_start: int, rows: list[int], parts: list) -> None:
+        """The flat-batch rows of positions [start, end) that hold image placeholders, and their embeddings
+        (a chunk may cut through an image: it takes that image's slice)."""
+        offset = 0
+        for first, length in seq.image_spans:
+            lo, hi = max(start, first), min(end, first + length)
+            if lo < hi:
+                rows.extend(range(row_start + lo - start, row_start + hi - start))
+                parts.append(seq.image_embeds[offset + lo - first : offset + hi - first])
+            offset += length
 
     def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step; return float32 logits for the sampling rows, in scheduled order (a verified
@@ -389,10 +412,15 @@ class ModelRunner:
                 scratch_slot=self.scratch_slot,
             )
             input_ids = torch.tensor(inputs.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            extra: dict[str, Any] = {}  # only what the step has: a model without images need not take them
+            if inputs.mm_rows:
+                rows = torch.tensor(inputs.mm_rows, dtype=torch.long).to(self.device, non_blocking=True)
+                extra["images"] = (rows, inputs.mm_embeds.to(self.device))
             if self.aux_hidden_layers:
-                hidden, self.last_aux_hidden = self.model(input_ids, batch, self.kv_cache, self.aux_hidden_layers)
+                hidden, self.last_aux_hidden = self.model(input_ids, batch, self.kv_cache, self.aux_hidden_layers,
+                                                          **extra)
             else:
-                hidden = self.model(input_ids, batch, self.kv_cache)
+                hidden = self.model(input_ids, batch, self.kv_cache, **extra)
         if not inputs.sample_rows:
             return torch.empty(0, 0, device=self.device)
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long).to(self.device, non_blocking=True)

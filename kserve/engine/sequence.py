@@ -102,10 +102,21 @@ class Sequence:
         self.last_scheduled_step = -1  # the scheduler's serial when this last ran (orders round-robin)
         # speculative decoding: tokens a proposer suggests after the last one, verified next step
         self.draft_token_ids: list[int] = []
+        # images (kserve/engine/multimodal.py): their placeholder runs (start, length) in the prompt, and the
+        # tower's embeddings [sum of lengths, hidden], computed once before the first prefill and kept
+        self.images: list[Any] = []
+        self.image_spans: list[tuple[int, int]] = []
+        self.image_embeds: Any = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def image_keys(self, start: int, end: int) -> tuple[str, ...]:
+        """Content hashes of the images whose placeholders overlap positions [start, end): part of the
+        prefix-cache key of a block, so two different images never share a cached block."""
+        return tuple(image.content_hash for image, (first, length) in zip(self.images, self.image_spans)
+                     if first < end and first + length > start)
 
     @property
     def output_token_ids(self) -> list[int]:
