@@ -110,3 +110,19 @@ def test_language_model_only_skips_the_tower(tiny_k25_dir) -> None:
         assert "--language-model-only" in eng.images_unsupported_reason
     finally:
         eng.shutdown()
+
+
+def test_tensor_parallel_ranks_get_the_image_embeddings(tiny_k25_dir, k25_engine) -> None:
+    """Under TP 2 rank 0 encodes the images and the step carries their embeddings to rank 1: the greedy
+    tokens are TP 1's (fp32; INT4 experts run unquantized activations, so only all-reduce order differs)."""
+    import torch.distributed as dist
+
+    images = [image(k25_engine, 100, 60, 8), image(k25_engine, 40, 70, 9)]
+    expected = run(k25_engine, "tp1", images)
+    eng = engine(tiny_k25_dir, tensor_parallel_size=2, num_kv_blocks=64, max_num_batched_tokens=16)
+    try:
+        assert eng.supports_images
+        assert run(eng, "tp2", images) == expected
+    finally:
+        eng.shutdown()
+    assert not dist.is_initialized()

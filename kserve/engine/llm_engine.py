@@ -150,7 +150,7 @@ class LLMEngine:
             return "this model takes text only (it has no vision tower)"
         if self.config.language_model_only:
             return "the server was started with --language-model-only, so the vision tower is not loaded"
-        return "images are not supported with tensor parallelism in this version (use --tp 1)"
+        return "the vision tower is not loaded"
 
     @property
     def image_config(self) -> Any:
@@ -196,6 +196,14 @@ class LLMEngine:
             seq.image_embeds = torch.cat(embeds[at : at + count]).to(self.dtype)
             at += count
 
+    @staticmethod
+    def _load_vision(model: Any, model_dir: Path, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Any:
+        if model.config.vision_config is None or config.language_model_only:
+            return None
+        from kserve.model.moonvit import load_vision_model
+
+        return load_vision_model(model_dir, dtype=dtype, device=device)
+
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         from kserve.chat import load_tokenizer
@@ -215,11 +223,7 @@ class LLMEngine:
         check_tensor_parallel(ModelConfig.from_model_dir(model_dir), config.tensor_parallel_size)
         if config.tensor_parallel_size == 1:
             model = load_model(model_dir, device=device, dtype=dtype)
-            vision = None
-            if model.config.vision_config is not None and not config.language_model_only:
-                from kserve.model.moonvit import load_vision_model
-
-                vision = load_vision_model(model_dir, dtype=dtype, device=device)
+            vision = cls._load_vision(model, model_dir, config, device, dtype)
             return cls(model, model.config, tokenizer, config, model_dir, device, dtype, vision=vision)
 
         from kserve.engine.rank_launch import RANK_LAYOUT_KEY
@@ -229,7 +233,10 @@ class LLMEngine:
                                         layout=config.extra.get(RANK_LAYOUT_KEY))
         try:
             model = load_model(model_dir, device=device, dtype=dtype, parallel=workers.parallel)
-            return cls(model, model.config, tokenizer, config, model_dir, device, dtype, tp_workers=workers)
+            # rank 0 alone holds the tower: it encodes images and sends their embeddings with the step
+            vision = cls._load_vision(model, model_dir, config, device, dtype)
+            return cls(model, model.config, tokenizer, config, model_dir, device, dtype, tp_workers=workers,
+                       vision=vision)
         except BaseException:
             workers.shutdown()
             raise

@@ -168,7 +168,7 @@ class StepInputs:
     context_lens: list[int]
     sample_rows: list[int]  # rows of the flat batch whose logits are sampled, in scheduled order
     padded_batch_size: int | None = None  # decode-only step run on the static buffers at this size
-    # image embeddings that replace these rows' token embeddings (rank 0 only: not sent to other ranks)
+    # image embeddings that replace these rows' token embeddings (rank 0 encodes; the step carries them)
     mm_rows: list[int] | None = None
     mm_embeds: Any = None  # [len(mm_rows), hidden]
 

@@ -5,11 +5,14 @@ payload tensor whose size the header gives, so a receiver always knows how much 
 Python object is pickled on the hot path:
 
     header  int64[HEADER_LEN] = [kind, num_tokens, num_seqs, num_table_entries, num_sample_rows,
-                                 padded_batch_size (-1 = None), payload_len, 0]
+                                 padded_batch_size (-1 = None), payload_len, num_image_rows]
     STEP payload int32[payload_len] = input_ids | positions | slots           (num_tokens each)
                                       | query_lens | context_lens | table_lens (num_seqs each)
                                       | block_tables flattened                 (num_table_entries)
                                       | sample_rows                            (num_sample_rows)
+                                      | image rows                             (num_image_rows)
+    then, when num_image_rows > 0, the image embeddings float32[num_image_rows, hidden] (rank 0 encodes
+    images; every rank puts them in place of those rows' token embeddings)
     INIT payload uint8[payload_len] = the pickled ModelRunner arguments (once, at start-up)
 
 HEARTBEAT and SHUTDOWN have no payload. Every value of a step (token ids, positions, slots, block
@@ -72,13 +75,15 @@ def pack_step(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         np.asarray(table_lens, dtype=np.int64),
         flat_tables,
         np.asarray(inputs.sample_rows, dtype=np.int64),
+        np.asarray(inputs.mm_rows or [], dtype=np.int64),
     ]
     packed = np.concatenate(parts)
     if packed.size and (packed.max() > _INT32_MAX or packed.min() < -_INT32_MAX - 1):
         raise ValueError(f"StepInputs: a value ({int(packed.max())}) does not fit the step wire format (int32)")
     padded = -1 if inputs.padded_batch_size is None else inputs.padded_batch_size
     header = torch.tensor(
-        [MessageKind.STEP, num_tokens, num_seqs, num_entries, len(inputs.sample_rows), padded, packed.size, 0],
+        [MessageKind.STEP, num_tokens, num_seqs, num_entries, len(inputs.sample_rows), padded, packed.size,
+         len(inputs.mm_rows or [])],
         dtype=torch.int64,
     )
     return header, torch.from_numpy(packed.astype(np.int32))
@@ -87,12 +92,12 @@ def pack_step(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
 def unpack_step(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
     """The StepInputs that `pack_step` packed (header and payload on any device); its `block_tables` are
     int32 numpy arrays (views of the payload), every other field plain lists."""
-    _, num_tokens, num_seqs, num_entries, _num_sample, padded, size, _ = header.tolist()
+    _, num_tokens, num_seqs, num_entries, num_sample, padded, size, num_image_rows = header.tolist()
     values = payload.cpu().numpy()
     if values.size != size:
         raise ValueError(f"step payload has {values.size} values, header says {size}")
-    cuts = np.cumsum([num_tokens, num_tokens, num_tokens, num_seqs, num_seqs, num_seqs, num_entries])
-    ids, pos, slots, qlens, clens, tlens, flat, sample = np.split(values, cuts)
+    cuts = np.cumsum([num_tokens, num_tokens, num_tokens, num_seqs, num_seqs, num_seqs, num_entries, num_sample])
+    ids, pos, slots, qlens, clens, tlens, flat, sample, image_rows = np.split(values, cuts)
     # block tables stay int32 array views of the payload: the bulk of a step, and ForwardBatch.build
     # copies array rows far faster than Python lists (an unused list round trip cost ~2 ms at batch 256, 8K)
     tables = np.split(flat, np.cumsum(tlens)[:-1]) if num_seqs else []
@@ -105,6 +110,7 @@ def unpack_step(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
         context_lens=clens.tolist(),
         sample_rows=sample.tolist(),
         padded_batch_size=None if padded < 0 else padded,
+        mm_rows=image_rows.tolist() if num_image_rows else None,
     )
 
 
@@ -122,10 +128,12 @@ class StepChannel:
     tensors travel: "cpu" for a gloo group, the rank's CUDA device for an NCCL group.
     """
 
-    def __init__(self, group: Any, device: torch.device | str = "cpu", src: int = 0) -> None:
+    def __init__(self, group: Any, device: torch.device | str = "cpu", src: int = 0,
+                 embed_width: int | None = None) -> None:
         self.group = group
         self.device = torch.device(device)
         self.src = src
+        self.embed_width = embed_width  # the model's hidden size: the width of image embeddings a step may carry
         self._header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
 
     def _send(self, header: torch.Tensor, payload: torch.Tensor | None) -> None:
@@ -136,6 +144,8 @@ class StepChannel:
     # ------------------------------------------------------------------ sender (rank 0)
     def send_step(self, inputs: StepInputs) -> None:
         self._send(*pack_step(inputs))
+        if inputs.mm_rows:
+            dist.broadcast(inputs.mm_embeds.float().contiguous().to(self.device), self.src, group=self.group)
 
     def send_init(self, value: Any) -> None:
         data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
@@ -161,4 +171,11 @@ class StepChannel:
             dist.broadcast(payload, self.src, group=self.group)
         if kind == MessageKind.INIT:
             return Message(kind, init=pickle.loads(payload.cpu().numpy().tobytes()))
-        return Message(kind, step=unpack_step(header, payload))
+        step = unpack_step(header, payload)
+        if step.mm_rows:
+            if self.embed_width is None:
+                raise RuntimeError("a step with image embeddings reached a channel that does not know the hidden size")
+            embeds = torch.empty(len(step.mm_rows), self.embed_width, dtype=torch.float32, device=self.device)
+            dist.broadcast(embeds, self.src, group=self.group)
+            step.mm_embeds = embeds
+        return Message(kind, step=step)

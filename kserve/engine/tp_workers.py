@@ -106,6 +106,7 @@ def run_worker_rank(layout: RankLayout, rank: int, model_dir: str, device: str, 
         channel = StepChannel(control)
         parallel = ParallelState(tp_rank=rank, tp_size=layout.world_size, group=dist.group.WORLD)
         model = load_model(model_dir, device=dev, dtype=dtype, parallel=parallel)
+        channel.embed_width = model.config.hidden_size
         runner: ModelRunner | None = None
         while True:
             message = channel.receive()
