@@ -56,6 +56,14 @@ if TYPE_CHECKING:  # torch is imported lazily: the env stage reports a missing o
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 K2_CONFIG = REPO_ROOT / "configs" / "kimi-k2-instruct.json"
+# K2.6's published vision_config (the tower's shapes; the device machine may not have ../shared)
+K26_VISION = {
+    "init_pos_emb_height": 64, "init_pos_emb_time": 4, "init_pos_emb_width": 64, "merge_kernel_size": [2, 2],
+    "merge_type": "sd2_tpool", "mm_hidden_size": 1152, "mm_projector_type": "patchmerger", "patch_size": 14,
+    "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
+    "text_hidden_size": 7168, "video_attn_type": "spatial_temporal", "vt_hidden_size": 1152,
+    "vt_intermediate_size": 4304, "vt_num_attention_heads": 16, "vt_num_hidden_layers": 27,
+}
 STAGES = ("env", "correctness", "kernel_speed", "decode_step", "serve_bench")
 # (name, N, K) of K2's FP8 linears as one TP8 rank holds them: attention projections and the dense MLP
 K2_INT4_GROUP = 32  # K2-Thinking / K2.5 / K2.6 routed experts: pack-quantized INT4, one bf16 scale per 32 inputs
@@ -670,6 +678,34 @@ def speed_long_prefill(plan: Plan, limits: dict[str, float], budget: Budget) -> 
                 {"ms": ms, "peak_bytes": peak, "budget_bytes": budget_bytes})]
 
 
+def speed_vision_tower(plan: Plan, limits: dict[str, float], budget: Budget) -> list[Row]:
+    """K2.6's MoonViT tower and projector (random weights, real width; toy width in the dry run) on one
+    1024x1024 image (64x64 in the dry run): time per image."""
+    torch = _torch()
+    mod, why = import_or_skip("kserve.model.moonvit", ["KimiVisionModel", "VisionConfig", "init_random_weights"])
+    pre, why_pre = import_or_skip("kserve.model.vision_preprocess", ["preprocess_image"])
+    if mod is None or pre is None:
+        return [Row("kernel_speed", "vision tower", "-", status=why or why_pre)]
+    raw = K26_VISION
+    if plan.dry_run:
+        from kserve.tiny.checkpoint import tiny_vision_config
+
+        raw = tiny_vision_config(256)
+    config = mod.VisionConfig.from_dict(raw)
+    model = mod.init_random_weights(mod.KimiVisionModel(config)).to(plan.device, act_dtype(plan)).eval()
+    side = 64 if plan.dry_run else 1024
+    from PIL import Image
+
+    image = pre.preprocess_image(Image.new("RGB", (side, side), (120, 30, 200)))
+    pixels = image.pixel_values.to(plan.device, act_dtype(plan))
+    with torch.inference_mode():
+        ms = time_ms([lambda: model(pixels, [image.grid_thw])], plan, iters=max(1, plan.iters // 4))
+    del model
+    release(plan.device)
+    return [Row("kernel_speed", f"vision tower {side}x{side} ({image.num_tokens} tokens, width {config.hidden_size})",
+                f"{ms:.1f} ms per image", "", data={"ms": ms, "tokens": image.num_tokens})]
+
+
 def _per_expert_loop(x, w13, s13, w2, s2, ids, weights, num_local: int, linear):
     """The baseline the fused kernel replaces: one pair of block-FP8 linears per hit expert."""
     torch = _torch()
@@ -877,7 +913,8 @@ def stage_kernel_speed(plan: Plan, budget: Budget, limits: dict[str, float]) -> 
     if "copy_gbps" not in limits:
         return [Row("kernel_speed", "all", "-", status="skipped: no limits from the env stage")], {}
     for item, fn in (("MLA decode", speed_mla), ("DCP decode", speed_dcp_decode),
-                     ("long-context prefill", speed_long_prefill), ("fused MoE", speed_moe),
+                     ("long-context prefill", speed_long_prefill), ("vision tower", speed_vision_tower),
+                     ("fused MoE", speed_moe),
                      ("W4A16 MoE", speed_w4a16_moe), ("block-FP8 GEMM", speed_fp8_gemm)):
         guarded("kernel_speed", item, rows, budget, lambda fn=fn: fn(plan, limits, budget))
         release(plan.device)
