@@ -29,7 +29,7 @@ more than these runs fill): left to its default, its CPU backend reserves 92% of
 vLLM's CPU worker reserves one core and runs one OpenMP thread on a 2-core machine ("Reducing Torch threads
 from 2 to 1"); `--threads 1` gives kserve the same, and on a loaded machine two kserve threads can be far slower.
 
-    python benchmarks/bench_peer.py [--vllm-python PY] [--batches 1,64] [--new-tokens 128] [--dtype float32]
+    python benchmarks/bench_peer.py [--vllm-python PY] [--batches 1,64] [--new-tokens 128] [--dtype float32,bfloat16]
                                     [--checkpoint plain|k25] [--vllm-fallback none|dequantized]
 """
 
@@ -315,7 +315,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32,bfloat16",
+                    help="comma-separated: float32 and/or bfloat16, each run on both engines in this invocation")
     ap.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM eager instead of its default compiled mode")
     ap.add_argument("--vllm-kv-cache-gib", type=float, default=1.0,
                     help="vLLM's KV cache size (kv_cache_memory_bytes) instead of its 92%% share of the NUMA node")
@@ -328,33 +329,46 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    if not dtypes or any(d not in ("float32", "bfloat16") for d in dtypes):
+        ap.error(f"--dtype takes float32 and/or bfloat16, got {args.dtype!r}")
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, 1700, (max(batches), args.prompt_len), generator=gen).tolist()
 
-    failures: list[str] = []
+    reports = {}
     with tempfile.TemporaryDirectory(prefix="kserve-peer-") as tmp:
         if args.checkpoint == "k25":
             model_dir = write_k25_checkpoint(Path(tmp), seed=0, layers=args.layers)
         else:
             model_dir = write_peer_checkpoint(Path(tmp), seed=0, layers=args.layers)
-        ours = run_kserve(model_dir, prompts, batches, args.new_tokens, args.dtype)
-        if args.vllm_python is None:
-            theirs, note = None, "no --vllm-python given"
-        elif args.checkpoint == "k25":
-            theirs, note, failures = run_vllm_k25(
-                args.vllm_python, model_dir, Path(tmp), prompts, batches, args.new_tokens, args.dtype,
-                args.vllm_enforce_eager, args.vllm_kv_cache_gib, args.vllm_fallback)
-        else:
-            theirs, note = run_vllm(args.vllm_python, model_dir, prompts, batches, args.new_tokens, args.dtype,
-                                    args.vllm_enforce_eager, args.vllm_kv_cache_gib)
+        for dtype in dtypes:
+            failures: list[str] = []
+            ours = run_kserve(model_dir, prompts, batches, args.new_tokens, dtype)
+            if args.vllm_python is None:
+                theirs, note = None, "no --vllm-python given"
+            elif args.checkpoint == "k25":
+                (Path(tmp) / dtype).mkdir(exist_ok=True)
+                theirs, note, failures = run_vllm_k25(
+                    args.vllm_python, model_dir, Path(tmp) / dtype, prompts, batches, args.new_tokens, dtype,
+                    args.vllm_enforce_eager, args.vllm_kv_cache_gib, args.vllm_fallback)
+            else:
+                theirs, note = run_vllm(args.vllm_python, model_dir, prompts, batches, args.new_tokens, dtype,
+                                        args.vllm_enforce_eager, args.vllm_kv_cache_gib)
+            reports[dtype] = report_dtype(args, batches, dtype, ours, theirs, note, failures)
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps(reports if len(reports) > 1 else reports[dtypes[0]], indent=2) + "\n")
 
+
+def report_dtype(args: argparse.Namespace, batches: list[int], dtype: str, ours: dict, theirs: dict | None,
+                 note: str, failures: list[str]) -> dict:
+    """Print one dtype's table; return its JSON report."""
     if args.checkpoint == "k25":
         packed = ours.get("int32_tensors")
         what = (f"{args.layers}-layer kimi_k25 checkpoint (make-tiny k25: INT4 routed experts, group 32; kserve holds "
                 f"{packed} packed int32 tensors)")
     else:
         what = f"{args.layers}-layer deepseek_v3 checkpoint (K2 head widths)"
-    print(f"{what}, {args.dtype}, prompts of {args.prompt_len} "
+    print(f"{what}, {dtype}, prompts of {args.prompt_len} "
           f"tokens, {args.new_tokens} new tokens each, greedy, ignore_eos, one run; {torch.get_num_threads()} threads")
     for failure in failures:
         print(f"vLLM {failure}")
@@ -362,7 +376,7 @@ def main() -> None:
         print(f"vLLM: not run ({note}); kserve's numbers alone")
     else:
         print(f"peer: {note} ({'eager' if args.vllm_enforce_eager else 'default compiled mode'})")
-    report = {"checkpoint": args.checkpoint, "dtype": args.dtype, "new_tokens": args.new_tokens, "batches": {},
+    report = {"checkpoint": args.checkpoint, "dtype": dtype, "new_tokens": args.new_tokens, "batches": {},
               "vllm": note, "vllm_failures": failures}
     print(f"{'batch':>6} {'kserve tok/s':>13} {'vllm tok/s':>11} {'ratio':>7} {'token agreement':>18} "
           f"{'common prefix':>14}")
@@ -387,8 +401,8 @@ def main() -> None:
             print(f"{batch:>6} {ours_tps:>13.1f} {theirs_tps:>11.1f} {ours_tps / theirs_tps:>6.2f}x "
                   f"{f'{same}/{tokens}':>11} {same / tokens:>6.1%} {sum(prefix) / len(prefix):>7.1f} tokens")
         report["batches"][key] = row
-    if args.out_json:
-        Path(args.out_json).write_text(json.dumps(report, indent=2) + "\n")
+    print()
+    return report
 
 
 if __name__ == "__main__":
