@@ -9,7 +9,9 @@ chat_template.jinja; one server runs at a time. Per golden, by design of the ser
 - special-token text typed by the client (`</think>` inside a user message, say) matches Moonshot's `encode` only
   under `--legacy-prompt-encoding`; the default server keeps it as text (injection-safe), so those goldens go to a
   legacy-encoding server, and the default one is checked to give the same text with no such special ids;
-- image / video content parts are refused (400, `unsupported_content`): the server takes text only;
+- an image part's URL is replaced by a real 28x28 PNG (the goldens carry a stand-in that does not decode); the
+  server expands the image's one `<|media_pad|>` into its placeholder tokens, which are collapsed back to one
+  before comparing. Video parts are refused (400, `unsupported_content`);
 - tools that are not function tools (`{"type": "_plugin", ...}`) are refused (400): chat completions takes
   function tools only.
 """
@@ -33,7 +35,7 @@ if not GOLDENS.exists():
 
 from live_server import running_server
 
-TEXT_PARTS = ("text",)
+TEXT_PARTS = {"text"}
 
 
 def _goldens() -> list[dict[str, Any]]:
@@ -50,12 +52,44 @@ def _strings(value: Any) -> list[str]:
     return []
 
 
+IMAGE_PARTS = {"image_url"}
+MEDIA_PAD = 163605
+
+
+def tiny_png() -> str:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (28, 28), (10, 200, 30)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def with_real_images(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The golden's messages with each image part's URL replaced by a decodable PNG."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [{**part, "image_url": {**part["image_url"], "url": tiny_png()}}
+                       if part.get("type") in IMAGE_PARTS else part for part in content]
+            message = {**message, "content": content}
+        out.append(message)
+    return out
+
+
+def collapse_media(ids: list[int]) -> list[int]:
+    """Each run of <|media_pad|> back to the template's single placeholder."""
+    return [t for i, t in enumerate(ids) if not (t == MEDIA_PAD and i and ids[i - 1] == MEDIA_PAD)]
+
+
 def refused_part(golden: dict[str, Any]) -> tuple[str, str] | None:
     """(param, code) of the 400 the server answers for a golden it refuses by design, or None."""
     for i, message in enumerate(golden["messages"]):
         content = message.get("content")
         for j, part in enumerate(content if isinstance(content, list) else []):
-            if part.get("type") not in TEXT_PARTS:
+            if part.get("type") not in TEXT_PARTS | IMAGE_PARTS:
                 return f"messages[{i}].content[{j}].type", "unsupported_content"
     for i, tool in enumerate(golden["tools"] or []):
         if tool.get("type") != "function" or "function" not in tool:
@@ -123,7 +157,8 @@ def servers(real_vocab_model, tmp_path_factory) -> Iterator[TemplateServers]:
 
 def tokenize(server: BackgroundServer, golden: dict[str, Any]) -> httpx.Response:
     kwargs = dict(golden["kwargs"])
-    body: dict[str, Any] = {"messages": golden["messages"], "add_generation_prompt": kwargs.pop("add_generation_prompt"),
+    body: dict[str, Any] = {"messages": with_real_images(golden["messages"]),
+                            "add_generation_prompt": kwargs.pop("add_generation_prompt"),
                             "chat_template_kwargs": kwargs, "return_token_strs": True}
     if golden["tools"] is not None:
         body["tools"] = golden["tools"]
@@ -142,7 +177,7 @@ def test_every_golden_is_byte_exact_through_tokenize(servers, golden):
         assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == refused
         return
     assert resp.status_code == 200, resp.text
-    tokens = resp.json()["tokens"]
+    tokens = collapse_media(resp.json()["tokens"])
     tokenizer = context.tokenizer
     typed_specials = any(tokenizer.special_token_regex.search(s) for s in _strings([golden["messages"],
                                                                                      golden["tools"]]))
@@ -152,4 +187,4 @@ def test_every_golden_is_byte_exact_through_tokenize(servers, golden):
     # Injection-safe by default: the same text, with the client's special-token text kept as text.
     assert tokenizer.decode(tokens) == golden["text"] and tokens != golden["ids"]
     legacy = tokenize(servers.get(golden["template"], legacy=True), golden)
-    assert legacy.status_code == 200 and legacy.json()["tokens"] == golden["ids"]
+    assert legacy.status_code == 200 and collapse_media(legacy.json()["tokens"]) == golden["ids"]

@@ -13,6 +13,9 @@ content blocks, `stop_reason`, usage, errors and the event stream.
   keeps reasoning); generated reasoning comes back as a `thinking` block before the text and tool_use blocks
   (streamed as `thinking_delta`s). Its `signature` is always the empty string: there is nothing to verify, and
   a signature sent back in the history is ignored.
+- `image` blocks (in user messages and tool results; `base64` or `url` sources, the latter fetched only from
+  `--allowed-media-domains`) go through kserve.server.media as chat image parts; a model without a vision tower
+  answers 400.
 - usage follows Anthropic: `input_tokens` excludes the prompt tokens read from the prefix cache, which are
   `cache_read_input_tokens` (their sum is the prompt length, what count_tokens returns).
 """
@@ -25,7 +28,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -37,10 +40,11 @@ from kserve.server.anthropic_protocol import (
     MessageParam,
     MessagesRequest,
 )
-from kserve.server.chat_request import function_tool, render_chat
+from kserve.server.chat_request import function_tool, render_chat, rendered_prompt
 from kserve.server.chat_turn import FinishedTurn, TurnDelta, run_turn, stream_turn
 from kserve.server.context import ServingContext
 from kserve.server.errors import APIError, stream_failure
+from kserve.server.media import image_part, require_image_support
 from kserve.server.protocol import ChatCompletionRequest
 from kserve.server.serving_chat import PreparedChat, prepare_chat
 from kserve.server.sse import sse_typed_event
@@ -51,7 +55,6 @@ logger = logging.getLogger("kserve.server")
 
 _STOP_REASONS: Mapping[str, str] = MappingProxyType({"tool_calls": "tool_use", "length": "max_tokens"})
 _UNSUPPORTED_BLOCKS: Mapping[str, str] = MappingProxyType({
-    "image": "image blocks are not supported (this model takes text only)",
     "document": "document blocks are not supported (this model takes text only)",
     "search_result": "search_result blocks are not supported",
     "container_upload": "container_upload blocks are not supported",
@@ -60,6 +63,7 @@ _SERVER_BLOCKS = ("server_tool_use", "web_search_tool_result", "web_fetch_tool_r
                   "code_execution_tool_result", "bash_code_execution_tool_result",
                   "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result")
 _STRUCTURED_OUTPUT_NAME = "output"
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # what Anthropic's API takes
 _THINKING_SWITCH: Mapping[str, bool | None] = MappingProxyType({"enabled": True, "disabled": False, "adaptive": None})
 _NOT_ID_CHARS = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -101,28 +105,106 @@ def _check_block_type(block: Any, where: str, allowed: tuple[str, ...], role: st
         raise invalid(f"{where}: {_UNSUPPORTED_BLOCKS[kind]}")
     if kind in _SERVER_BLOCKS:
         raise invalid(f"{where}: {kind!r} blocks (Anthropic's server tools) are not supported")
-    known = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+    known = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
     if kind in known:
         raise invalid(f"{where}: a {role} message may not hold a {kind!r} block")
     raise invalid(f"{where}: unknown content block type {kind!r} (supported: {', '.join(allowed)})")
 
 
+def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """An image block as a chat image part: a base64 source becomes a data: URL, a url source stays a URL
+    (fetched only from --allowed-media-domains; kserve.server.media checks it)."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise invalid(f"{where}.source: an image block needs a 'source' object")
+    kind = source.get("type")
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if media_type not in IMAGE_MEDIA_TYPES:
+            raise invalid(f"{where}.source.media_type: must be one of {', '.join(IMAGE_MEDIA_TYPES)}, "
+                          f"got {media_type!r}")
+        if not isinstance(data, str) or not data:
+            raise invalid(f"{where}.source.data: a base64 image source needs its base64 'data'")
+        return image_part(f"data:{media_type};base64,{data}", where)
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise invalid(f"{where}.source.url: a url image source needs a string 'url'")
+        return image_part(url, where)
+    if kind == "file":
+        raise invalid(f"{where}.source: file sources (the Files API) are not supported; send the image as a "
+                      "base64 or url source")
+    raise invalid(f"{where}.source.type: must be 'base64' or 'url', got {kind!r}")
+
+
+def _turn_content(pieces: list[str | dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text and image parts as a chat turn's content: a string without images, else text and image parts."""
+    if all(isinstance(piece, str) for piece in pieces):
+        return "".join(pieces)  # type: ignore[arg-type]
+    return [{"type": "text", "text": piece} if isinstance(piece, str) else piece for piece in pieces]
+
+
+def _tool_result_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A tool_result's content: a string, or text and image blocks."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"{where}: tool_result content must be a string or a list of text and image blocks")
+    pieces: list[str | dict[str, Any]] = []
+    for k, block in enumerate(content):
+        at = f"{where}.{k}"
+        kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        if kind == "text":
+            pieces.append(_text(block, at))
+        elif kind == "image":
+            pieces.append(_image(block, at))
+        else:
+            raise invalid(f"{at}: tool_result content may only hold text and image blocks, got {kind!r}")
+    return _turn_content(pieces)
+
+
+def _image_blocks(req: CountTokensRequest) -> Iterator[str]:
+    """Where each image block of the request is (user messages and their tool results)."""
+    for i, msg in enumerate(req.messages):
+        if isinstance(msg.content, str):
+            continue
+        for j, block in enumerate(msg.content):
+            if not isinstance(block, dict):
+                continue
+            if block.get("type") == "image":
+                yield f"messages.{i}.content.{j}"
+            elif block.get("type") == "tool_result" and isinstance(block.get("content"), list):
+                for k, inner in enumerate(block["content"]):
+                    if isinstance(inner, dict) and inner.get("type") == "image":
+                        yield f"messages.{i}.content.{j}.content.{k}"
+
+
+def _check_images_supported(ctx: ServingContext, req: CountTokensRequest) -> None:
+    """Images to a model without a vision tower: one 400 saying so, before any block is looked at closely."""
+    where = next(_image_blocks(req), None)
+    if where is not None:
+        require_image_support(ctx, where, "image blocks")
+
+
 def _user_turns(msg: MessageParam, where: str, open_calls: set[str]) -> list[dict[str, Any]]:
-    """A user message: runs of text blocks become user turns, each tool_result a tool turn."""
+    """A user message: runs of text and image blocks become user turns, each tool_result a tool turn."""
     if isinstance(msg.content, str):
         return [{"role": "user", "content": msg.content}]
     if not msg.content:
         raise invalid(f"{where}.content: must hold at least one content block")
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    texts: list[str | dict[str, Any]] = []
     for j, block in enumerate(msg.content):
         at = f"{where}.content.{j}"
-        kind = _check_block_type(block, at, ("text", "tool_result"), "user")
+        kind = _check_block_type(block, at, ("text", "image", "tool_result"), "user")
         if kind == "text":
             texts.append(_text(block, at))
             continue
+        if kind == "image":
+            texts.append(_image(block, at))
+            continue
         if texts:
-            out.append({"role": "user", "content": "".join(texts)})
+            out.append({"role": "user", "content": _turn_content(texts)})
             texts = []
         call_id = block.get("tool_use_id")
         if not isinstance(call_id, str):
@@ -132,10 +214,10 @@ def _user_turns(msg: MessageParam, where: str, open_calls: set[str]) -> list[dic
                           f"tool_use block with that id (its ids: {', '.join(sorted(open_calls)) or 'none'})")
         if "is_error" in block and not isinstance(block["is_error"], bool):
             raise invalid(f"{at}.is_error must be a boolean")
-        content = _text_blocks(block.get("content", ""), f"{at}.content", "tool_result content")
+        content = _tool_result_content(block.get("content", ""), f"{at}.content")
         out.append({"role": "tool", "tool_call_id": call_id, "content": content})
     if texts:
-        out.append({"role": "user", "content": "".join(texts)})
+        out.append({"role": "user", "content": _turn_content(texts)})
     return out
 
 
@@ -262,16 +344,19 @@ def _chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
 
 async def prepare_messages(ctx: ServingContext, req: MessagesRequest, raw: dict[str, Any]) -> PreparedChat:
     reject_unsupported(raw, UNSUPPORTED_MESSAGES_FIELDS)
+    _check_images_supported(ctx, req)
     body = chat_body(req)
     prep = await prepare_chat(ctx, _chat_request(body), body)
     return dataclasses.replace(prep, request_id=f"msg_{uuid.uuid4().hex}")
 
 
-def count_tokens(ctx: ServingContext, req: CountTokensRequest, raw: dict[str, Any]) -> dict[str, Any]:
-    """The prompt length the same request would have (no generation, no grammar)."""
+async def count_tokens(ctx: ServingContext, req: CountTokensRequest, raw: dict[str, Any]) -> dict[str, Any]:
+    """The prompt length the same request would have (no generation, no grammar); images count as their
+    placeholder tokens."""
     reject_unsupported(raw, UNSUPPORTED_MESSAGES_FIELDS)
+    _check_images_supported(ctx, req)
     body = chat_body(req)
-    return {"input_tokens": len(render_chat(ctx, _chat_request(body), body).prompt_ids)}
+    return {"input_tokens": len(await rendered_prompt(ctx, render_chat(ctx, _chat_request(body), body)))}
 
 
 # ----------------------------------------------------------------------------- responses

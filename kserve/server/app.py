@@ -360,7 +360,7 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None,
     @anthropic.post("/v1/messages/count_tokens")
     async def messages_count_tokens(body: CountTokensRequest, request: Request,
                                     ctx: ServingContext = Depends(context)) -> Any:
-        return JSONResponse(count_tokens(ctx, body, await request.json()))
+        return JSONResponse(await count_tokens(ctx, body, await request.json()))
 
     app.include_router(anthropic)
     responses_store = ResponseStore(settings.responses_store_size)
@@ -383,7 +383,7 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None,
 
     @app.post("/tokenize", dependencies=[Depends(require_auth)])
     async def tokenize_route(body: TokenizeRequest, request: Request, ctx: ServingContext = Depends(context)) -> Any:
-        return JSONResponse(tokenize(ctx, body, await request.json()))
+        return JSONResponse(await tokenize(ctx, body, await request.json()))
 
     @app.post("/detokenize", dependencies=[Depends(require_auth)])
     async def detokenize_route(body: DetokenizeRequest, ctx: ServingContext = Depends(context)) -> Any:

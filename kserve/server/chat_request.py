@@ -13,6 +13,7 @@ from typing import Any
 from kserve.chat import normalize_tool_call_ids
 from kserve.server.context import ServingContext
 from kserve.server.errors import bad_request
+from kserve.server.media import ImageRef, check_rendered, collect_images, prompt_with_images
 from kserve.server.protocol import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
 from kserve.server.thinking import ReasoningMode, ThinkingSwitch, reasoning_mode, requested_thinking
 from kserve.server.tool_contract import callable_tools
@@ -35,9 +36,10 @@ class RenderedChat:
     # Every tool the model may call: the request's `tools`, then the system messages' dynamic tools, in order.
     tools: list[dict[str, Any]] | None
     tool_choice: str | dict[str, Any]  # 'none' | 'auto' | 'required' | {"type": "function", "function": {...}}
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # one <|media_pad|> per image (kserve.server.media expands them once images are loaded)
     thinking: ThinkingSwitch = field(default_factory=ThinkingSwitch)  # as the request set it (None: default)
     reasoning: ReasoningMode = field(default_factory=ReasoningMode)  # how the output is split
+    images: list[ImageRef] = field(default_factory=list)  # in prompt order
 
 
 def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None,
@@ -58,6 +60,7 @@ def render_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, 
     # kserve's K2 format maps `developer` to system; the thinking generations get roles as sent (Moonshot's wrapper).
     aliases = ROLE_ALIASES if dialect.aliases_reasoning_fields else ROLE_ALIASES_KEEPING_DEVELOPER
     messages = normalize_tool_call_ids(normalize_messages(req.messages, role_aliases=aliases))
+    messages, images = collect_images(ctx, messages)
     tools = normalize_tools(req.tools, raw.get("tools"))
     all_tools = callable_tools(messages, tools)  # dynamic tools count for tool_choice, grammar and parsing
     tool_choice = resolve_tool_choice(req.tool_choice, all_tools)
@@ -69,5 +72,13 @@ def render_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, 
         raise bad_request("could not render the conversation: it is nested too deeply", "messages") from None
     except (ValueError, TypeError, KeyError) as exc:
         raise bad_request(f"could not render the conversation with the chat template: {exc}", "messages") from None
+    check_rendered(ctx, prompt_ids, images)
     return RenderedChat(messages, all_tools, tool_choice, prompt_ids, thinking,
-                        reasoning_mode(dialect, thinking, ctx.settings.enable_reasoning))
+                        reasoning_mode(dialect, thinking, ctx.settings.enable_reasoning), images)
+
+
+async def rendered_prompt(ctx: ServingContext, rendered: RenderedChat) -> list[int]:
+    """The prompt ids with every image's placeholders counted in (images decoded, not preprocessed): what
+    `/tokenize` and `count_tokens` report, equal to the generation's `usage.prompt_tokens`."""
+    prompt_ids, _ = await prompt_with_images(ctx, rendered.prompt_ids, rendered.images, preprocess=False)
+    return prompt_ids

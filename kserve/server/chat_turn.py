@@ -20,6 +20,7 @@ from kserve.server.serving_chat import (
     NO_ARGUMENTS,
     ChoiceStream,
     PreparedChat,
+    engine_generate,
     generate_whole,
     parse_choice,
 )
@@ -102,7 +103,7 @@ async def stream_turn(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
     reasoning: list[str] = []
     content: list[str] = []
     try:
-        async for out in ctx.engine.generate(prep.request_id, prep.prompt_ids, prep.params):
+        async for out in engine_generate(ctx, prep):
             final = out
             output = out.outputs[0]
             if first_token is None and output.token_ids:

@@ -43,6 +43,11 @@ class ServerSettings:
     exit_on_engine_death: bool = True  # `kserve serve` exits non-zero once the engine is dead
     responses_store_size: int = 1000  # finished /v1/responses kept for previous_response_id and GET; 0 = off
     drain_timeout_s: float = 30.0  # on SIGTERM, requests in flight may finish for this long before being cut
+    # Hosts whose http(s) image URLs may be fetched (exact host match, case-insensitive); None or empty: none.
+    allowed_media_domains: list[str] | None = None
+    max_images_per_request: int = 32  # images in one request, the whole conversation counted
+    media_fetch_timeout_s: float = 10.0  # per remote image: connect, redirects and body together
+    media_fetch_max_bytes: int = 20 * 1024 * 1024  # per remote image
 
 
 @dataclass
@@ -91,15 +96,24 @@ class ServingContext:
         error = getattr(self.engine, "fatal_error", None)
         return f"{type(error).__name__}: {error}" if error is not None else "the engine's step loop has stopped"
 
-    def validate_prompt(self, prompt_ids: list[int], params: Any, param: str) -> None:
+    def validate_prompt(self, prompt_ids: list[int], params: Any, param: str, images: list | None = None) -> None:
         """A 400 naming `param` now, before any streaming starts, for a prompt the engine would refuse."""
         validate = getattr(self.engine, "validate_prompt", None)  # engine stand-ins in tests may lack it
         if validate is None:
             return
+        validate_images = getattr(self.llm_engine, "validate_images", None)
         try:
             validate(prompt_ids, params)
+            if validate_images is not None:  # every image has its run of placeholders (none without images)
+                validate_images(prompt_ids, images)
         except PromptRejected as exc:
             raise engine_refused(exc, param) from None
+
+    @property
+    def llm_engine(self) -> Any:
+        """The synchronous engine (kserve.engine.llm_engine.LLMEngine) behind the async one, for its fixed
+        properties (image support, the media placeholder id, image preprocessing rules)."""
+        return getattr(self.engine, "engine", self.engine)
 
     async def abort(self, request_id: str) -> None:
         """Abort an unfinished engine request; shielded, since it usually runs inside a cancelled stream."""

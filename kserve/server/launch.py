@@ -69,6 +69,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         exit_on_engine_death=getattr(args, "exit_on_engine_death", True),
         responses_store_size=getattr(args, "responses_store_size", 1000),
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),
+        allowed_media_domains=getattr(args, "allowed_media_domains", None),
     )
 
 

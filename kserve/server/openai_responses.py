@@ -10,6 +10,10 @@ other effort turns it on, and no effort leaves the model's default (on from K2.5
 modelled. Reasoning comes back as a `reasoning` item (its text in `content` as `reasoning_text`, `summary`
 empty) before the message and function_call items.
 
+Images: `input_image` parts (`image_url` a data: URL, or an http(s) URL fetched only from
+`--allowed-media-domains`; `detail` accepted) go through kserve.server.media as chat image parts; `file_id` is
+refused (no Files API), and a model without a vision tower answers 400.
+
 Conversation mapping: `instructions` is the system turn (those of a previous response are not carried over,
 as OpenAI does); consecutive reasoning / assistant message / function_call items make one assistant turn;
 `function_call_output` is a tool turn and must answer an earlier `function_call`'s `call_id`.
@@ -23,7 +27,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -32,6 +36,7 @@ from kserve.server.chat_request import function_tool
 from kserve.server.chat_turn import FinishedTurn, TurnDelta, run_turn, stream_turn
 from kserve.server.context import ServingContext
 from kserve.server.errors import APIError, bad_request, stream_failure
+from kserve.server.media import image_part, require_image_support
 from kserve.server.protocol import ChatCompletionRequest
 from kserve.server.responses_protocol import (
     UNSUPPORTED_RESPONSES_FIELDS,
@@ -51,7 +56,6 @@ NO_REASONING_EFFORT = "none"  # OpenAI's effort for "do not reason"
 REASONING_EFFORTS = frozenset({NO_REASONING_EFFORT, "minimal", "low", "medium", "high", "xhigh"})
 _TEXT_PARTS = ("input_text", "output_text")
 _MEDIA_PARTS: Mapping[str, str] = MappingProxyType({
-    "input_image": "image input is not supported (this model takes text only)",
     "input_file": "file input is not supported (this model takes text only)",
     "input_audio": "audio input is not supported (this model takes text only)",
 })
@@ -74,26 +78,60 @@ def not_found(response_id: str, param: str | None = None) -> APIError:
 # ----------------------------------------------------------------------------- request translation
 
 
-def _message_text(content: Any, where: str) -> str:
+def _input_image(part: dict[str, Any], at: str) -> dict[str, Any]:
+    """An input_image part as a chat image part (`image_url`: a data: URL, or an http(s) URL fetched only from
+    --allowed-media-domains; kserve.server.media checks it). `detail` is accepted and changes nothing."""
+    if part.get("file_id") is not None:
+        raise bad_request(f"'{at}.file_id': file ids are not supported (there is no Files API); send the image "
+                          "in 'image_url' as a data: URL", f"{at}.file_id", "unsupported_parameter")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"'{at}': an input_image part needs a string 'image_url'", f"{at}.image_url",
+                          "missing_required_parameter")
+    return image_part(url, at, part.get("detail"))
+
+
+def _message_text(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or (with images) text and image chat parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"'{where}.content' must be a string or a list of content parts", f"{where}.content")
-    texts: list[str] = []
+    pieces: list[str | dict[str, Any]] = []
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            pieces.append(_input_image(part, at))
+            continue
         if kind in _MEDIA_PARTS:
             raise bad_request(f"'{at}': {_MEDIA_PARTS[kind]}", f"{at}.type", "unsupported_content")
         field = "refusal" if kind == "refusal" else "text"
         if kind not in (*_TEXT_PARTS, "refusal"):
             raise bad_request(f"'{at}': unknown content part type {kind!r} (supported: input_text, output_text, "
-                              "refusal)", f"{at}.type")
+                              "input_image, refusal)", f"{at}.type")
         if not isinstance(part.get(field), str):
             raise bad_request(f"'{at}': a {kind} part needs a string {field!r}", f"{at}.{field}",
                               "missing_required_parameter")
-        texts.append(part[field])
-    return "".join(texts)
+        if pieces and isinstance(pieces[-1], str):
+            pieces[-1] += part[field]
+        else:
+            pieces.append(part[field])
+    if all(isinstance(piece, str) for piece in pieces):
+        return "".join(pieces)  # type: ignore[arg-type]
+    return [{"type": "text", "text": piece} if isinstance(piece, str) else piece for piece in pieces]
+
+
+def _image_parts(conversation: list[tuple[str, dict[str, Any]]]) -> Iterator[str]:
+    """Where each input_image of the conversation is."""
+    for where, item in conversation:
+        # as chat_messages names them: a function_call_output's parts are '<where>.output.content[j]'
+        for key, at in (("content", where), ("output", f"{where}.output")):
+            parts = item.get(key)
+            if isinstance(parts, list):
+                for j, part in enumerate(parts):
+                    if isinstance(part, dict) and part.get("type") == "input_image":
+                        yield f"{at}.content[{j}]"
 
 
 def _reasoning_text(item: dict[str, Any]) -> str:
@@ -288,6 +326,9 @@ async def prepare_response(ctx: ServingContext, store: ResponseStore, req: Respo
     single = isinstance(req.input, str)
     conversation = [("previous_response", item) for item in previous]
     conversation += [("input" if single else f"input[{i}]", item) for i, item in enumerate(new_items)]
+    image_at = next(_image_parts(conversation), None)
+    if image_at is not None:  # a model without a vision tower: one 400 saying so
+        require_image_support(ctx, f"'{image_at}'", "input_image", f"{image_at}.type")
     body = chat_body(req, conversation)
     prep = await prepare_chat(ctx, ChatCompletionRequest.model_validate(body), body)
     prep = dataclasses.replace(prep, request_id=_new_id("resp"))

@@ -30,6 +30,7 @@ from kserve.server.context import (
 from kserve.server.errors import APIError, logged_stream_failure
 from kserve.server.guided import after_reasoning, compile_grammar, grammar_spec
 from kserve.server.logprobs import chat_logprobs
+from kserve.server.media import check_context, image_inputs, prompt_with_images
 from kserve.server.outcome import client_gone, finish_reason, unfinished, usage_info
 from kserve.server.protocol import (
     AssistantMessage,
@@ -67,6 +68,8 @@ class PreparedChat:
     top_logprobs: int
     max_calls: int | None = None  # 1 under parallel_tool_calls=false: later calls are dropped
     reasoning: ReasoningMode = field(default_factory=ReasoningMode)  # how the output splits into reasoning
+    # kserve.engine.multimodal.ImageInput per image, in order; prompt_ids hold each one's run of placeholders
+    images: list[Any] | None = None
 
     def kept(self, calls: list[ParsedToolCall]) -> list[ParsedToolCall]:
         return calls if self.max_calls is None else calls[: self.max_calls]
@@ -75,7 +78,10 @@ class PreparedChat:
 async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, Any]) -> PreparedChat:
     """Everything checked and encoded before generation; `raw` is the body as sent (for fields the model drops)."""
     rendered = render_chat(ctx, req, raw)
-    tools, tool_choice, prompt_ids = rendered.tools, rendered.tool_choice, rendered.prompt_ids
+    tools, tool_choice = rendered.tools, rendered.tool_choice
+    prompt_ids, loaded = await prompt_with_images(ctx, rendered.prompt_ids, rendered.images)
+    check_context(ctx, prompt_ids, loaded)  # names the images' share of a prompt they make too long
+    images = image_inputs(loaded) or None
     parse_tools = bool(tools) and tool_choice != "none"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = fit_max_tokens(len(prompt_ids), requested, ctx.max_model_len)
@@ -97,9 +103,17 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dic
         skip_special_tokens=not (parse_tools or (rendered.reasoning.parse and think_end_is_skipped(ctx.tokenizer))),
         vocab_size=ctx.vocab_size, guided=guided,
     )
-    ctx.validate_prompt(prompt_ids, params, "messages")
+    ctx.validate_prompt(prompt_ids, params, "messages", images)
     return PreparedChat(new_request_id("chatcmpl"), req, prompt_ids, params, tools, parse_tools, top_logprobs,
-                        max_calls=1 if req.parallel_tool_calls is False else None, reasoning=rendered.reasoning)
+                        max_calls=1 if req.parallel_tool_calls is False else None, reasoning=rendered.reasoning,
+                        images=images)
+
+
+def engine_generate(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[Any]:
+    """The engine's output stream for a prepared request (its images passed only when it has some)."""
+    if prep.images:
+        return ctx.engine.generate(prep.request_id, prep.prompt_ids, prep.params, images=prep.images)
+    return ctx.engine.generate(prep.request_id, prep.prompt_ids, prep.params)
 
 
 # ----------------------------------------------------------------------------- tool-call checks
@@ -154,7 +168,7 @@ async def generate_whole(ctx: ServingContext, prep: PreparedChat, request: Any) 
     gone = False
     watch = DisconnectWatch(request)
     try:
-        async for out in ctx.engine.generate(prep.request_id, prep.prompt_ids, prep.params):
+        async for out in engine_generate(ctx, prep):
             if first_token is None and any(o.token_ids for o in out.outputs):
                 first_token = time.monotonic() - start
             final = out
@@ -361,7 +375,7 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
     try:
         for state in states:
             yield chunk(ChatChunkChoice(index=state.index, delta=ChatDelta(role="assistant", content="")))
-        async for out in ctx.engine.generate(prep.request_id, prep.prompt_ids, prep.params):
+        async for out in engine_generate(ctx, prep):
             final = out
             for output in out.outputs:
                 state = states[output.index]

@@ -3,14 +3,16 @@
 `/tokenize` takes either a completion `prompt` (encoded as `/v1/completions` encodes it: K2's special tokens
 recognized) or chat `messages` (+ `tools`, `add_generation_prompt`, and the thinking switch: `chat_template_kwargs`
 `thinking` / `preserve_thinking` or Moonshot's `thinking` field), checked and rendered exactly as
-`/v1/chat/completions` renders them, and answers `{"count", "max_model_len", "tokens"}` (+ `token_strs`).
+`/v1/chat/completions` renders them, and answers `{"count", "max_model_len", "tokens"}` (+ `token_strs`). An
+image counts as its placeholder tokens (each image's `<|media_pad|>` repeated, as the engine gets the prompt):
+images are fetched and decoded to know their sizes, and refused as chat completions refuses them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kserve.server.chat_request import render_chat
+from kserve.server.chat_request import render_chat, rendered_prompt
 from kserve.server.context import ServingContext
 from kserve.server.errors import bad_request
 from kserve.server.protocol import ChatCompletionRequest, StrictRequest
@@ -30,7 +32,7 @@ class DetokenizeRequest(StrictRequest):
     tokens: list[int]
 
 
-def tokenize(ctx: ServingContext, req: TokenizeRequest, raw: dict[str, Any]) -> dict[str, Any]:
+async def tokenize(ctx: ServingContext, req: TokenizeRequest, raw: dict[str, Any]) -> dict[str, Any]:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
     if req.model is not None:
@@ -42,8 +44,9 @@ def tokenize(ctx: ServingContext, req: TokenizeRequest, raw: dict[str, Any]) -> 
         body = {**raw, "model": ctx.model_name}
         for field in ("prompt", "add_generation_prompt", "return_token_strs"):
             body.pop(field, None)
-        ids = render_chat(ctx, ChatCompletionRequest.model_validate(body), body,
-                          add_generation_prompt=req.add_generation_prompt).prompt_ids
+        rendered = render_chat(ctx, ChatCompletionRequest.model_validate(body), body,
+                               add_generation_prompt=req.add_generation_prompt)
+        ids = await rendered_prompt(ctx, rendered)  # each image's placeholder tokens counted
     out: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
     if req.return_token_strs:
         out["token_strs"] = [ctx.tokenizer.token_bytes(i).decode("utf-8", "replace") for i in ids]

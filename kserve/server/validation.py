@@ -17,6 +17,7 @@ import referencing.exceptions
 import referencing.jsonschema
 
 from kserve.server.errors import APIError, bad_request
+from kserve.server.media import IMAGE_PART_TYPE, WHERE_KEY
 from kserve.server.protocol import (
     MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
@@ -98,24 +99,35 @@ def normalize_messages(messages: list[ChatMessage], *,
     return out
 
 
-def _content(msg: ChatMessage, where: str, role: str) -> str | None:
+def _content(msg: ChatMessage, where: str, role: str) -> str | list[dict[str, Any]] | None:
     content = msg.content
     if content is None:
         return "" if role == "tool" else None
     if isinstance(content, str):
         return content
     # Text parts are joined with nothing between them, as K2's template concatenates them; a string
-    # also keeps tool and assistant turns from rendering a Python list literal (vLLM's K2 bug).
-    texts: list[str] = []
+    # also keeps tool and assistant turns from rendering a Python list literal (vLLM's K2 bug). With images the
+    # content stays a list: text runs joined, each image part kept (checked by kserve.server.media).
+    pieces: list[str | dict[str, Any]] = []
     for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if part.type == IMAGE_PART_TYPE:
+            extra = part.model_extra or {}
+            pieces.append({"type": IMAGE_PART_TYPE, "image_url": extra.get("image_url"),
+                           WHERE_KEY: extra.get(WHERE_KEY) or at})
+            continue
         if part.type != "text":
-            raise bad_request(f"{where}.content[{j}]: content part type {part.type!r} is not supported "
-                              "(this model takes text only)", f"{where}.content[{j}].type", "unsupported_content")
+            raise bad_request(f"{at}: content part type {part.type!r} is not supported (supported: text, and "
+                              f"{IMAGE_PART_TYPE} on a model with a vision tower)", f"{at}.type", "unsupported_content")
         if part.text is None:
-            raise bad_request(f"{where}.content[{j}]: a text part needs 'text'", f"{where}.content[{j}].text",
-                              "missing_required_parameter")
-        texts.append(part.text)
-    return "".join(texts)
+            raise bad_request(f"{at}: a text part needs 'text'", f"{at}.text", "missing_required_parameter")
+        if pieces and isinstance(pieces[-1], str):
+            pieces[-1] += part.text
+        else:
+            pieces.append(part.text)
+    if all(isinstance(piece, str) for piece in pieces):
+        return "".join(pieces)  # type: ignore[arg-type]
+    return [{"type": "text", "text": piece} if isinstance(piece, str) else piece for piece in pieces]
 
 
 def _history_call(tc: Any, where: str) -> dict[str, Any]:
