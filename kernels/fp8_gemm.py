@@ -21,6 +21,9 @@ what the Triton GEMM does per K step; the torch path forms the same products fro
   fixed order). The activation quantization is its own small kernel, one program per (token, group).
 - `torch.ops.kserve.fp8_block_linear` / `fp8_block_linear`: what callers use; Triton on CUDA from sm89
   (native fp8) when Triton is importable, the torch reference otherwise.
+- `fp8_block_linear_batch_invariant` (the layers' batch-invariant mode): a row's result does not depend on
+  the other rows. Triton with one launch for every M (BATCH_INVARIANT_TILES, no split-K); on the CPU the
+  torch path with the same K chunks but GEMMs over fixed row tiles (kserve.kernels.batch_invariant).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kserve.kernels.batch_invariant import addmm_rows_, row_tile
 from kserve.kernels.fp8_quant import (
     FP8_DTYPE,
     FP8_MAX,
@@ -116,6 +120,35 @@ def w8a8_block_matmul_quantized_torch(
         w = weight[:, c0:c1].float() * w_scale_rows[:, g0:g1].repeat_interleave(block[1], dim=1)[:, : c1 - c0]
         out.addmm_(x[:, c0:c1], w.t())
     return out.to(out_dtype)
+
+
+def w8a8_block_matmul_quantized_invariant_torch(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block: tuple[int, int] = SUPPORTED_BLOCK,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """`w8a8_block_matmul_quantized_torch` with every GEMM over a fixed number of rows (the batch-invariant
+    mode): the same K chunks (their count comes from N only), each applied to row tiles of
+    `row_tile` rows, the last one zero-padded, so a row's result does not depend on M."""
+    m, k = x_q.shape
+    n = weight.shape[0]
+    tile = row_tile(x_q.device)
+    padded = -(-m // tile) * tile
+    x = x_q.new_zeros(padded, k, dtype=torch.float32)
+    x[:m] = dequantize_per_token_group_torch(x_q, x_scale, block[1])
+    w_scale_rows = weight_scale_inv.float().repeat_interleave(block[0], dim=0)[:n]
+    groups = num_groups(k, block[1])
+    per_chunk = max(1, CHUNK_ELEMENTS // max(1, n * block[1]))
+    out = torch.zeros(padded, n, dtype=torch.float32, device=x_q.device)
+    for g0 in range(0, groups, per_chunk):
+        g1 = min(groups, g0 + per_chunk)
+        c0, c1 = g0 * block[1], min(g1 * block[1], k)
+        w = weight[:, c0:c1].float() * w_scale_rows[:, g0:g1].repeat_interleave(block[1], dim=1)[:, : c1 - c0]
+        addmm_rows_(out, x[:, c0:c1], w.t())
+    return out[:m].to(out_dtype)
 
 
 def w8a8_block_matmul_torch(
@@ -267,11 +300,13 @@ def w8a8_block_matmul_quantized_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     split_k: int | None = None,
+    tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
     """Triton GEMM on an already-quantized activation (x_q [M, K], x_scale [M, ceil(K/128)]).
 
-    `block_m`, `block_n` and `split_k` override the shape heuristics (tests). With split_k > 1 each
-    split writes fp32 partial sums to a workspace that is summed in a fixed order (deterministic)."""
+    `block_m`, `block_n` and `split_k` override the shape heuristics (tests); `tiles` replaces the
+    launch chosen from M (the batch-invariant mode passes one launch for every M). With split_k > 1
+    each split writes fp32 partial sums to a workspace that is summed in a fixed order (deterministic)."""
     import os
 
     import triton
@@ -281,7 +316,7 @@ def w8a8_block_matmul_quantized_triton(
     if tuple(x_scale.shape) != (m, num_groups(k, block[1])):
         raise ValueError(f"x_scale shape {tuple(x_scale.shape)} does not match x_q {tuple(x_q.shape)} in groups of {block[1]}")
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    launch = _gemm_tiles(m, interpret)
+    launch = tiles if tiles is not None else _gemm_tiles(m, interpret)
     bm, bn = block_m or launch.block_m, block_n or launch.block_n
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0 or n == 0:
@@ -317,6 +352,7 @@ def w8a8_block_matmul_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     split_k: int | None = None,
+    tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N]: Triton activation quantization then the Triton block-scaled GEMM.
 
@@ -327,7 +363,7 @@ def w8a8_block_matmul_triton(
     x2 = x.reshape(-1, x.shape[-1])
     x_q, x_scale = quantize_per_token_group_triton(x2, block[1], out_dtype=weight.dtype)
     out = w8a8_block_matmul_quantized_triton(
-        x_q, x_scale, weight, weight_scale_inv, block, out_dtype, block_m, block_n, split_k
+        x_q, x_scale, weight, weight_scale_inv, block, out_dtype, block_m, block_n, split_k, tiles
     )
     return out.view(*lead, weight.shape[0])
 
@@ -390,3 +426,55 @@ def fp8_block_linear(
     return torch.ops.kserve.fp8_block_linear(
         x, weight, weight_scale_inv, int(block[0]), int(block[1]), _resolve_out_dtype(x, out_dtype)
     )
+
+
+# --- batch-invariant mode ----------------------------------------------------------------------------
+
+# One Triton launch for every M: the tiles of _gemm_tiles's largest bucket, no split-K, so each output
+# tile sums its K groups in one program, in order, whatever the batch (the interpreter keeps its own).
+BATCH_INVARIANT_TILES = GemmTiles(64, 128, 4, 3)
+_INTERPRET_TILES = GemmTiles(16, 64, 4, 1)
+
+
+def batch_invariant_tiles() -> GemmTiles:
+    import os
+
+    return _INTERPRET_TILES if os.environ.get("TRITON_INTERPRET") == "1" else BATCH_INVARIANT_TILES
+
+
+def w8a8_block_matmul_quantized_batch_invariant(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block: tuple[int, int] = SUPPORTED_BLOCK,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """`w8a8_block_matmul_quantized` whose rows do not depend on each other's presence."""
+    if _use_triton(x_q, weight):
+        return w8a8_block_matmul_quantized_triton(
+            x_q.contiguous(), x_scale, weight, weight_scale_inv, block, out_dtype, split_k=1,
+            tiles=batch_invariant_tiles(),
+        )
+    return w8a8_block_matmul_quantized_invariant_torch(x_q, x_scale, weight, weight_scale_inv, block, out_dtype)
+
+
+def fp8_block_linear_batch_invariant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block: tuple[int, int] = SUPPORTED_BLOCK,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`fp8_block_linear` in the batch-invariant mode: each row's result is what it would be alone (the
+    per-token activation quantization is per row already; the GEMM runs one fixed launch / row tiling)."""
+    check_fp8_linear_args(x, weight, weight_scale_inv, block)
+    out_dtype = _resolve_out_dtype(x, out_dtype)
+    if _use_triton(x, weight):
+        return w8a8_block_matmul_triton(
+            x, weight, weight_scale_inv, block, out_dtype, split_k=1, tiles=batch_invariant_tiles()
+        )
+    lead = x.shape[:-1]
+    x_q, x_scale = quantize_per_token_group_torch(x.reshape(-1, x.shape[-1]), block[1])
+    out = w8a8_block_matmul_quantized_invariant_torch(x_q, x_scale, weight, weight_scale_inv, block, out_dtype)
+    return out.view(*lead, weight.shape[0])

@@ -43,6 +43,14 @@ Paths
   fused rounding exact.
 - `torch.ops.kserve.fused_moe` / `fused_moe`: what the model calls. Triton on CUDA (sm89+ when the
   weights are fp8), the torch path otherwise; `register_fake` makes it traceable with no host reads.
+- `fused_moe_batch_invariant` (the layers' batch-invariant mode): a token's output does not depend on
+  which other tokens hit its experts. Both paths above run one GEMM per expert segment whose M is the
+  number of pairs that expert got (the grouped GEMM's kernel, the gather strategy's choice, the Triton
+  tile from rows per expert), so they are batch-variant. Here the torch path sorts the pairs by expert
+  (one host read of the segment ends) and runs each segment through GEMMs of a fixed row count
+  (kserve.kernels.batch_invariant.matmul_rows), silu without a scalar tail, and the top-k sum as adds in
+  slot order; Triton runs one tile config for every batch (`batch_invariant_tile_config`: a pair's
+  BLOCK_M-row block computes each row alone) and the same fixed-order top-k sum.
 
 Tiles for H200 (`choose_tile_config`; not tuned on hardware yet, reasoned from the K2 decode shapes of
 one expert-parallel rank: 48 local experts, H 7168, I 2048, top-8, T = 1 / 64 / 256). Those steps are
@@ -74,6 +82,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kserve.kernels import batch_invariant
+from kserve.kernels.batch_invariant import sum_fixed_order as batch_invariant_sum
 from kserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, num_groups, quantize_per_token_group_torch
 from kserve.kernels.triton_support import triton_runs
 
@@ -336,6 +346,98 @@ def fused_moe_torch(
     return combine_top_k(y, is_local, topk_weights, x.dtype)
 
 
+def combine_top_k_fixed_order(
+    y: torch.Tensor, is_local: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """`combine_top_k` with the top-k slots added first to last (a reduction kernel's order may follow the
+    number of tokens)."""
+    tokens, top_k = topk_weights.shape
+    weighted = torch.where(is_local[:, None], y.float(), 0.0) * topk_weights.reshape(-1, 1).float()
+    return batch_invariant.sum_fixed_order(weighted.view(tokens, top_k, y.shape[-1]), 1).to(dtype)
+
+
+def expert_segments(
+    topk_ids: torch.Tensor, first_expert: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """(local ids, is_local, order, segment ends as host ints): pairs sorted by local expert as
+    `sort_pairs_by_expert` does; expert e's pairs are order[ends[e - 1]:ends[e]]. One host read."""
+    local, is_local = local_expert_ids(topk_ids, first_expert, num_experts)
+    order, offsets = sort_pairs_by_expert(local, is_local, num_experts)
+    return local, is_local, order, offsets.tolist()
+
+
+def hit_experts(ends: list[int]) -> list[int]:
+    """Local experts with at least one pair, from `expert_segments`' ends."""
+    return [e for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends)) if end > start]
+
+
+def take_experts(stack: torch.Tensor, hit: list[int]) -> torch.Tensor:
+    """The hit experts' slices of a per-expert stack (the stack itself when every expert is hit)."""
+    return stack if len(hit) == stack.shape[0] else stack[torch.tensor(hit, device=stack.device)]
+
+
+def run_expert_segments(
+    a_sorted: torch.Tensor, ends: list[int], hidden: int, expert_weights, silu_mul
+) -> torch.Tensor:
+    """y_sorted [P, hidden] for pairs sorted by expert: each hit expert's segment through
+    down(silu_mul(gate_up(a))) with GEMMs over fixed row tiles; rows past the last segment (remote
+    pairs) stay zero. `expert_weights(e)` gives (w13 [2I, H], w2 [H, I]) in a_sorted's dtype."""
+    y = a_sorted.new_zeros(a_sorted.shape[0], hidden)
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            w13_e, w2_e = expert_weights(e)
+            h = silu_mul(batch_invariant.matmul_rows(a_sorted[start:end], w13_e.t()))
+            y[start:end] = batch_invariant.matmul_rows(h.to(a_sorted.dtype), w2_e.t())
+        start = end
+    return y
+
+
+def fused_moe_invariant_torch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+) -> torch.Tensor:
+    """The batch-invariant torch fused MoE (see the module docstring): same numerics contract as
+    `fused_moe_torch` (FP8 activations quantized per token group, fp32 GEMMs on dequantized weights),
+    but each token's rows meet the same GEMM shapes whatever the rest of the batch is."""
+    shape = check_fused_moe_args(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)
+    block = (int(block[0]), int(block[1]))
+    quantized = w13_scale is not None
+    compute_dtype = torch.float32 if quantized else x.dtype
+    if shape.num_pairs == 0:
+        return x.new_zeros(shape.tokens, shape.hidden)
+    _, is_local, order, ends = expert_segments(topk_ids, first_expert, shape.num_experts)
+    a = _quantized_activation(x, block[1]) if quantized else x
+    a_sorted = a[order // shape.top_k].to(compute_dtype)
+
+    hit = hit_experts(ends)
+    slot = {e: i for i, e in enumerate(hit)}
+    if quantized:  # the hit experts dequantized together (all of them: the grouped path's one pass)
+        w13_hit = _dequantize_experts(take_experts(w13, hit), take_experts(w13_scale, hit), block)
+        w2_hit = _dequantize_experts(take_experts(w2, hit), take_experts(w2_scale, hit), block)
+
+    def expert_weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if quantized:
+            return w13_hit[slot[e]], w2_hit[slot[e]]
+        return w13[e].to(compute_dtype), w2[e].to(compute_dtype)
+
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        h = (batch_invariant.silu(gate) * up).to(x.dtype)
+        return _quantized_activation(h, block[1]) if quantized else h
+
+    y_sorted = run_expert_segments(a_sorted, ends, shape.hidden, expert_weights, silu_mul)
+    y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+    return combine_top_k_fixed_order(y, is_local, topk_weights, x.dtype)
+
+
 # --- device-side routing prep -----------------------------------------------------------------------------
 
 
@@ -410,6 +512,16 @@ def choose_tile_config(shape: MoeShape, quant_group: int | None, interpret: bool
     return MoeTileConfig(block_m=block_m, block_n=down_block_n, block_k=64)
 
 
+def batch_invariant_tile_config(quant_group: int | None, interpret: bool = False) -> MoeTileConfig:
+    """The one tile config of the batch-invariant mode, whatever the rows per expert (the interpreter
+    keeps its own, which is fixed already)."""
+    if interpret:
+        return choose_tile_config(MoeShape(1, 1, 1, 1, 1), quant_group, interpret=True)
+    if quant_group is not None:
+        return MoeTileConfig(block_m=32, block_n=quant_group, block_k=quant_group, down_block_n=64)
+    return MoeTileConfig(block_m=32, block_n=64, block_k=64)
+
+
 def _kernels():
     """The jit functions live in their own module, imported only when a Triton path runs (importing
     triton is slow, and module-level @triton.jit helpers are what the interpreter can resolve)."""
@@ -436,17 +548,22 @@ def fused_moe_triton(
     block: tuple[int, int] = DEFAULT_BLOCK,
     config: MoeTileConfig | None = None,
     fuse_quant: bool | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """The Triton fused MoE (CUDA, or CPU tensors under TRITON_INTERPRET=1); same contract as fused_moe.
 
     `fuse_quant=False` (FP8 only) quantizes x and h with the torch reference between the kernels instead
-    of inside kernel 1; the two must agree bit for bit, which is how the in-kernel rounding is tested."""
+    of inside kernel 1; the two must agree bit for bit, which is how the in-kernel rounding is tested.
+    `batch_invariant`: one tile config for every batch (unless `config` is given) and the top-k sum as
+    adds in slot order."""
     import triton
 
     shape = check_fused_moe_args(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)
     block = (int(block[0]), int(block[1]))
     quantized = w13_scale is not None
-    if config is None:
+    if config is None and batch_invariant:
+        config = batch_invariant_tile_config(block[1] if quantized else None, _interpreting())
+    elif config is None:
         config = choose_tile_config(shape, block[1] if quantized else None, _interpreting())
     if quantized and config.block_k != block[1]:
         raise ValueError(f"tile block_k {config.block_k} must equal the FP8 group {block[1]}")
@@ -502,6 +619,8 @@ def fused_moe_triton(
         pairs, hidden, inter, h_scale.shape[-1], s2.shape[-2] if quantized else 1,
         s2.shape[-1] if quantized else 1, BLOCK_N=down_block_n, **common,
     )
+    if batch_invariant:
+        return batch_invariant_sum(weighted.view(tokens, top_k, hidden), 1).to(x.dtype)
     return weighted.view(tokens, top_k, hidden).sum(1).to(x.dtype)
 
 
@@ -554,3 +673,23 @@ def fused_moe(
     return torch.ops.kserve.fused_moe(
         x, w13, w2, topk_weights, topk_ids, int(first_expert), w13_scale, w2_scale, int(block[0]), int(block[1])
     )
+
+
+def fused_moe_batch_invariant(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+) -> torch.Tensor:
+    """`fused_moe` in the batch-invariant mode: Triton with one tile config where `fused_moe` would run
+    Triton, the fixed-row-tile torch path otherwise (which reads the expert segment ends on the host)."""
+    check_fused_moe_args(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)
+    if _use_triton(x, w13, w13_scale is not None):
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block,
+                                batch_invariant=True)
+    return fused_moe_invariant_torch(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)

@@ -4,6 +4,10 @@ Contract as kserve.kernels.fused_moe's dense path: GLOBAL expert ids (this rank 
 first_expert + E_local); remote pairs give exactly zero, decided on the device), fp32 accumulation on the
 exact weights q * scale, h = silu(gate) * up rounded to x.dtype, routing weight and top-k sum in fp32, one
 cast to x.dtype. Strategies, kernels and tiles: docs/w4a16_moe.md.
+
+`fused_moe_w4a16_batch_invariant` (the layers' batch-invariant mode), as kserve.kernels.fused_moe's: per
+expert segment GEMMs over fixed row tiles on the torch path, one tile config on Triton, silu without a
+scalar tail and the top-k sum in slot order (docs/batch_invariance.md).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kserve.kernels import batch_invariant as _bi
 from kserve.kernels.fused_moe import (
     MoeShape,
     _grouped_mm_fits,
@@ -22,8 +27,13 @@ from kserve.kernels.fused_moe import (
     check_activations,
     check_routing_args,
     combine_top_k,
+    combine_top_k_fixed_order,
+    expert_segments,
+    hit_experts,
     local_expert_ids,
+    run_expert_segments,
     sort_pairs_by_expert,
+    take_experts,
 )
 from kserve.kernels.int4_pack import INT4_PER_WORD
 from kserve.kernels.triton_support import triton_runs
@@ -193,6 +203,44 @@ def fused_moe_w4a16_torch(
     return combine_top_k(y, is_local, topk_weights, x.dtype)
 
 
+def fused_moe_w4a16_invariant_torch(
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w2_packed: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """The batch-invariant torch W4A16 MoE: each hit expert unpacked on its own and its segment of pairs run
+    through fp32 GEMMs over fixed row tiles; same numerics contract as `fused_moe_w4a16_torch`."""
+    shape = check_w4a16_moe_args(
+        x, w13_packed, w2_packed, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, group_size
+    )
+    if shape.num_pairs == 0:
+        return x.new_zeros(shape.tokens, shape.hidden)
+    _, is_local, order, ends = expert_segments(topk_ids, first_expert, shape.num_experts)
+    a_sorted = x.float()[order // shape.top_k]
+
+    hit = hit_experts(ends)
+    slot = {e: i for i, e in enumerate(hit)}
+    w13_hit = dequantize_int4_experts(take_experts(w13_packed, hit), take_experts(w13_scale, hit), group_size)
+    w2_hit = dequantize_int4_experts(take_experts(w2_packed, hit), take_experts(w2_scale, hit), group_size)
+
+    def expert_weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return w13_hit[slot[e]], w2_hit[slot[e]]
+
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return (_bi.silu(gate) * up).to(x.dtype).float()  # h rounded to x.dtype, as the kernel stores it
+
+    y_sorted = run_expert_segments(a_sorted, ends, shape.hidden, expert_weights, silu_mul)
+    y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+    return combine_top_k_fixed_order(y, is_local, topk_weights, x.dtype)
+
+
 # --- Triton -----------------------------------------------------------------------------------------------
 
 
@@ -246,6 +294,13 @@ def choose_w4a16_tile_config(shape: MoeShape, interpret: bool = False) -> W4A16T
     return W4A16TileConfig(block_m=64, gate_up_block_n=64, down_block_n=128, num_warps=8)
 
 
+def batch_invariant_w4a16_tile_config(interpret: bool = False) -> W4A16TileConfig:
+    """The one tile config of the batch-invariant mode (the interpreter's own is fixed already)."""
+    if interpret:
+        return choose_w4a16_tile_config(MoeShape(1, 1, 1, 1, 1), interpret=True)
+    return W4A16TileConfig(block_m=32, gate_up_block_n=64, down_block_n=64, num_warps=8)
+
+
 def fused_moe_w4a16_triton(
     x: torch.Tensor,
     w13_packed: torch.Tensor,
@@ -257,8 +312,10 @@ def fused_moe_w4a16_triton(
     w2_scale: torch.Tensor,
     group_size: int,
     config: W4A16TileConfig | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """The Triton W4A16 MoE (CUDA, or CPU tensors under TRITON_INTERPRET=1); same contract as the torch path."""
+    """The Triton W4A16 MoE (CUDA, or CPU tensors under TRITON_INTERPRET=1); same contract as the torch path.
+    `batch_invariant`: one tile config for every batch (unless `config` is given), top-k summed in slot order."""
     import triton
 
     shape = check_w4a16_moe_args(
@@ -269,7 +326,8 @@ def fused_moe_w4a16_triton(
     if not triton_group_supported(group_size):
         raise ValueError(f"the Triton W4A16 MoE needs a group_size that is a multiple of 16, got {group_size}")
     if config is None:
-        config = choose_w4a16_tile_config(shape, _interpreting())
+        config = (batch_invariant_w4a16_tile_config(_interpreting()) if batch_invariant
+                  else choose_w4a16_tile_config(shape, _interpreting()))
     tokens, hidden, inter, experts, top_k = (
         shape.tokens, shape.hidden, shape.intermediate, shape.num_experts, shape.top_k
     )
@@ -299,6 +357,8 @@ def fused_moe_w4a16_triton(
         topk_weights.float().contiguous(), pairs, hidden, inter, inter // group_size,
         BLOCK_N=config.down_block_n, BLOCK_K=_k_step(inter, sub_k, config.block_k), **common,
     )
+    if batch_invariant:
+        return _bi.sum_fixed_order(weighted.view(tokens, top_k, hidden), 1).to(x.dtype)
     return weighted.view(tokens, top_k, hidden).sum(1).to(x.dtype)
 
 
@@ -352,3 +412,23 @@ def fused_moe_w4a16(
     return torch.ops.kserve.fused_moe_w4a16(
         x, w13_packed, w2_packed, topk_weights, topk_ids, int(first_expert), w13_scale, w2_scale, int(group_size)
     )
+
+
+def fused_moe_w4a16_batch_invariant(
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w2_packed: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """`fused_moe_w4a16` in the batch-invariant mode: Triton with one tile config where `fused_moe_w4a16`
+    would run Triton, the fixed-row-tile torch path otherwise (one host read of the expert segments)."""
+    args = (x, w13_packed, w2_packed, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, group_size)
+    check_w4a16_moe_args(*args)
+    if _use_triton(x, group_size):
+        return fused_moe_w4a16_triton(*args, batch_invariant=True)
+    return fused_moe_w4a16_invariant_torch(*args)

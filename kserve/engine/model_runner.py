@@ -350,7 +350,7 @@ class ModelRunner:
                 slots.extend(slot_of(table, p, bs) for p in range(start, end))
                 query_lens.append(item.num_new_tokens)
                 context_lens.append(end)
-            if seq.image_embeds is not None:
+            if getattr(seq, "image_embeds", None) is not None:  # scheduler stand-ins in tests carry none
                 self._image_rows(seq, start, end, row_starts[index], mm_rows, mm_parts)
             if end == len(seq.token_ids):
                 sample_rows.append(len(input_ids) - 1)

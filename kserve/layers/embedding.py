@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kserve.distributed import ParallelState
+from kserve.kernels.batch_invariant import linear_rows
 from kserve.layers.weight_loading import copy_checked
 
 
@@ -46,10 +47,16 @@ class VocabEmbedding(_VocabShard):
 
 
 class LMHead(_VocabShard):
-    """Returns float32 logits [T, vocab_size], gathered over ranks."""
+    """Returns float32 logits [T, vocab_size], gathered over ranks. With `batch_invariant` a row's logits
+    do not depend on the other rows (GEMMs over fixed row tiles, kserve.kernels.batch_invariant)."""
+
+    batch_invariant: bool = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
+        if self.batch_invariant:
+            logits = linear_rows(hidden, self.weight).float()
+        else:
+            logits = F.linear(hidden, self.weight).float()
         if not self.parallel.is_parallel:
             return logits
         return self.parallel.all_gather_last_dim(logits)[:, : self.vocab_size]

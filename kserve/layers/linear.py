@@ -17,6 +17,10 @@ padded outputs (column-parallel). A row-parallel shard that cuts a 128-wide acti
 all-reduces each group's maximum over the ranks (one small collective), so its activations quantize
 exactly as in the unsplit layer and TP=N computes what TP=1 does. Kimi K2 at TP 8 and 16 splits
 everything on 128 boundaries and needs neither.
+
+`batch_invariant` (set by `KimiK2ForCausalLM.set_batch_invariant`): a row's output does not depend on the
+other rows: the GEMMs run over fixed row tiles / one fixed Triton launch (kserve.kernels.batch_invariant,
+`fp8_block_linear_batch_invariant`) and a row-parallel sum adds the ranks' parts in rank order.
 """
 
 from __future__ import annotations
@@ -26,8 +30,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kserve.distributed import ParallelState
+from kserve.kernels.batch_invariant import all_reduce_fixed_order, linear_rows
 from kserve.kernels.fp8_dequant import dequantize_blocks, scale_shape
-from kserve.kernels.fp8_gemm import fp8_block_linear, w8a8_block_matmul_quantized
+from kserve.kernels.fp8_gemm import (
+    fp8_block_linear,
+    fp8_block_linear_batch_invariant,
+    w8a8_block_matmul_quantized,
+    w8a8_block_matmul_quantized_batch_invariant,
+)
 from kserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 from kserve.layers.weight_loading import copy_checked
 
@@ -58,6 +68,7 @@ class ShardedLinear(nn.Module):
         self.block = tuple(quant_block) if quant_block is not None else None
         self.quantized = self.block is not None
         self.compute_dtype = dtype
+        self.batch_invariant = False
         b0, b1 = self.block if self.quantized else (1, 1)
         self.pad_out = self.out_start % b0
         self.pad_in = self.in_start % b1
@@ -95,10 +106,11 @@ class ShardedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.quantized:
-            return F.linear(x, self.weight)
+            return linear_rows(x, self.weight) if self.batch_invariant else F.linear(x, self.weight)
         if self.pad_in:
             x = F.pad(x, (self.pad_in, 0))
-        y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block)
+        linear = fp8_block_linear_batch_invariant if self.batch_invariant else fp8_block_linear
+        y = linear(x, self.weight, self.weight_scale_inv, self.block)
         return y[..., self.pad_out :].contiguous() if self.pad_out else y
 
 
@@ -133,7 +145,9 @@ class RowParallelLinear(ShardedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._straddling_forward(x) if self.straddles_groups else super().forward(x)
-        return self.parallel.all_reduce(out) if self.reduce_results else out
+        if not self.reduce_results:
+            return out
+        return all_reduce_fixed_order(self.parallel, out) if self.batch_invariant else self.parallel.all_reduce(out)
 
     def _straddling_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block-FP8 GEMM with each activation group's scale taken over the whole group, across
@@ -150,5 +164,6 @@ class RowParallelLinear(ShardedLinear):
         amax = self.parallel.all_reduce_max(amax)[:, first : first + groups]
         scales = amax.clamp(min=SCALE_FLOOR) / FP8_MAX
         x_q = (tiles / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(x2.shape[0], groups * b1)[:, : x2.shape[1]]
-        y = w8a8_block_matmul_quantized(x_q.to(FP8_DTYPE), scales, self.weight, self.weight_scale_inv, self.block, x.dtype)
+        matmul = w8a8_block_matmul_quantized_batch_invariant if self.batch_invariant else w8a8_block_matmul_quantized
+        y = matmul(x_q.to(FP8_DTYPE), scales, self.weight, self.weight_scale_inv, self.block, x.dtype)
         return y.view(*lead, self.weight.shape[0])

@@ -10,6 +10,11 @@ half is RMS-normalized and the roped k_pe half is of the same order, far inside 
 e4m3's precision is relative, so an uncalibrated scale of 1 loses nothing to range). Writers divide
 by the scale and saturate at +-448; readers multiply by it (the decode kernel takes it as
 `kv_scale`, the prefill gather dequantizes).
+
+Batch-invariant mode (`absorbed_attention_batch_invariant`, `prefill_rows`): every query token, decode or
+prefill, attends in the absorbed form through `mla_decode_batch_invariant`, one row per token with its own
+context length, so a token's attention does not depend on the batch, on how its prompt was chunked, on
+prefix-cache hits, or on whether the runner scheduled it as a decode (docs/batch_invariance.md).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from kserve.distributed import ContextParallelGroup
+from kserve.kernels.batch_invariant import bmm_rows
+from kserve.kernels.mla_decode import mla_decode_batch_invariant
 
 FP8_MAX = 448.0
 # Query rows of one score tile in the plain-torch attention-with-LSE (scores are [heads, rows, keys] fp32).
@@ -189,3 +196,39 @@ def merge_context_parallel(out: torch.Tensor, lse: torch.Tensor, dcp: ContextPar
     tokens, heads, width = out.shape
     parts = weighted.view(tokens, dcp.size, heads // dcp.size, width).transpose(0, 1)
     return dcp.reduce_scatter(parts)
+
+
+def prefill_rows(query_lens: Sequence[int], context_lens: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Per query token of a step's prefill sequences: (its sequence's index, its context length), host ints.
+    Query j of sequence i sits at position context_lens[i] - query_lens[i] + j and sees that many + 1."""
+    row_table: list[int] = []
+    row_context: list[int] = []
+    for seq, (q_len, c_len) in enumerate(zip(query_lens, context_lens)):
+        row_table.extend([seq] * q_len)
+        row_context.extend(range(c_len - q_len + 1, c_len + 1))
+    return row_table, row_context
+
+
+def absorbed_attention_batch_invariant(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    kv_scale: float = 1.0,
+    row_table: list[int] | None = None,
+    row_context: list[int] | None = None,
+) -> torch.Tensor:
+    """MLA attention in the absorbed form for query rows q_nope [N, H, nope], q_pe [N, H, rope] -> [N, H, v_head],
+    batch-invariant: W_UK [H, nope, C] absorbed into the query and W_UV [H, v_head, C] applied to the output
+    by `bmm_rows` (fixed row tiles), the attention by `mla_decode_batch_invariant`. Row i uses block table
+    block_tables[row_table[i]] (default row i) and context context_lens[i] (device; `row_context` is the same
+    as host ints when the caller has them). The cache must already hold every row's context."""
+    q_lat = bmm_rows(q_nope, w_uk)  # [N, H, C]
+    o_lat = mla_decode_batch_invariant(
+        q_lat, q_pe, cache, block_tables, context_lens, scale, kv_scale, row_table=row_table, row_context=row_context
+    )
+    return bmm_rows(o_lat.to(w_uv.dtype), w_uv.transpose(1, 2))

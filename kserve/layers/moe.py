@@ -5,6 +5,11 @@ n_group > 1 (groups ranked by the sum of their top-2 biased scores, others maske
 weights are the unbiased scores of the chosen experts, renormalized, times routed_scaling_factor.
 Experts are expert-parallel: each rank owns n_routed_experts / tp_size whole experts; the routed
 and shared partial outputs are summed over ranks with one all-reduce.
+
+`batch_invariant` (router, routed experts, the layer; set by `KimiK2ForCausalLM.set_batch_invariant`): a
+token's routing and output do not depend on the other tokens: the router's GEMM over fixed row tiles and
+sigmoid without a scalar tail, `fused_moe_batch_invariant` / `fused_moe_w4a16_batch_invariant`, and the
+tensor-parallel sum in rank order (kserve.kernels.batch_invariant).
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from torch import nn
 
 from kserve.config import ModelConfig
 from kserve.distributed import ParallelState
+from kserve.kernels import batch_invariant as bi
 from kserve.kernels.fp8_dequant import scale_shape
-from kserve.kernels.fused_moe import fused_moe
-from kserve.kernels.fused_moe_w4a16 import fused_moe_w4a16
+from kserve.kernels.fused_moe import fused_moe, fused_moe_batch_invariant
+from kserve.kernels.fused_moe_w4a16 import fused_moe_w4a16, fused_moe_w4a16_batch_invariant
 from kserve.kernels.int4_pack import group_scale_shape, packed_shape
 from kserve.layers.mlp import GatedMLP
 from kserve.layers.weight_loading import copy_checked
@@ -32,6 +38,7 @@ class NoAuxRouter(nn.Module):
 
     def __init__(self, config: ModelConfig, *, device: torch.device | str):
         super().__init__()
+        self.batch_invariant = False
         self.top_k = config.num_experts_per_tok
         self.n_group = config.n_group
         self.topk_group = config.topk_group
@@ -49,7 +56,10 @@ class NoAuxRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (weights [T, top_k] fp32, expert ids [T, top_k])."""
-        scores = F.linear(x.float(), self.weight).sigmoid()
+        if self.batch_invariant:
+            scores = bi.sigmoid(bi.linear_rows(x.float(), self.weight))
+        else:
+            scores = F.linear(x.float(), self.weight).sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
             t, e = choice.shape
@@ -61,7 +71,8 @@ class NoAuxRouter(nn.Module):
         ids = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
+            total = bi.sum_fixed_order(weights, -1)[:, None] if self.batch_invariant else weights.sum(-1, keepdim=True)
+            weights = weights / total
         return weights * self.routed_scaling_factor, ids
 
 
@@ -92,6 +103,7 @@ class RoutedExperts(nn.Module):
         int4_group: int | None = None,
     ):
         super().__init__()
+        self.batch_invariant = False
         self.first_expert, last = parallel.shard_range(config.n_routed_experts, "n_routed_experts")
         self.num_local = last - self.first_expert
         inter, hidden = config.moe_intermediate_size, config.hidden_size
@@ -150,19 +162,22 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) over this rank's experts (others give 0).
 
-        One custom-op call (Triton on CUDA, loop-free torch elsewhere): no host reads.
+        One custom-op call (Triton on CUDA, loop-free torch elsewhere): no host reads. The batch-invariant
+        mode's torch path reads the expert segment ends on the host.
         """
         if self.int4_group is not None:
-            return fused_moe_w4a16(
+            moe_w4a16 = fused_moe_w4a16_batch_invariant if self.batch_invariant else fused_moe_w4a16
+            return moe_w4a16(
                 x, self.gate_up_proj_packed, self.down_proj_packed, weights, ids, self.first_expert,
                 self.gate_up_proj_scale, self.down_proj_scale, self.int4_group,
             )
+        moe = fused_moe_batch_invariant if self.batch_invariant else fused_moe
         if self.block:
-            return fused_moe(
+            return moe(
                 x, self.gate_up_proj, self.down_proj, weights, ids, self.first_expert,
                 self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.block,
             )
-        return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.first_expert)
+        return moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.first_expert)
 
 
 class DeepseekMoE(nn.Module):
@@ -177,6 +192,7 @@ class DeepseekMoE(nn.Module):
         int4_group: int | None = None,
     ):
         super().__init__()
+        self.batch_invariant = False
         self.parallel = parallel
         self.gate = NoAuxRouter(config, device=device)
         self.experts = RoutedExperts(
@@ -201,4 +217,6 @@ class DeepseekMoE(nn.Module):
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if self.batch_invariant:
+            return bi.all_reduce_fixed_order(self.parallel, out)
         return self.parallel.all_reduce(out)

@@ -68,6 +68,9 @@ class MLAttention(nn.Module):
         self.v_head = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.scale = config.softmax_scale
+        # Batch-invariant mode (set_batch_invariant): every query token, prefill ones included, attends in the
+        # absorbed form, one row per token (kserve/layers/mla_attention.py absorbed_attention_batch_invariant).
+        self.batch_invariant = False
         heads = config.num_attention_heads
         kw = {"dtype": dtype, "device": device}
         lin = dict(kw, quant_block=quant_block)
@@ -132,9 +135,15 @@ class MLAttention(nn.Module):
         """All decode sequences at once, through the paged decode kernel: [D, H, v_head]."""
         num_decode = q_nope.shape[0]
         w_uk, w_uv = self._absorption_weights()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [D, H, C]
         tables, lens = batch.block_tables[:num_decode], batch.context_lens[:num_decode]
         dcp = batch.context_parallel
+        if self.batch_invariant and dcp is None:
+            from kserve.layers.mla_attention import absorbed_attention_batch_invariant
+
+            return absorbed_attention_batch_invariant(
+                q_nope, q_pe, w_uk, w_uv, cache, tables, lens, self.scale, batch.kv_scale
+            )
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [D, H, C]
         if dcp is None:
             o_lat = mla_decode(q_lat, q_pe, cache, tables, lens, self.scale, batch.kv_scale)
         else:  # the group's heads over this rank's tokens, then an exact merge across the group
@@ -154,8 +163,19 @@ class MLAttention(nn.Module):
         return torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1), v
 
     def _naive(self, q_nope, q_pe, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
-        """All prefill sequences at once: one gather of their contexts, one kv_b_proj, one varlen attention."""
+        """All prefill sequences at once: one gather of their contexts, one kv_b_proj, one varlen attention.
+        Batch-invariant mode: each query token as its own row of the absorbed attention."""
         prefill = batch.prefill
+        if self.batch_invariant and batch.context_parallel is None:
+            from kserve.layers.mla_attention import absorbed_attention_batch_invariant, prefill_rows
+
+            w_uk, w_uv = self._absorption_weights()
+            row_table, row_context = prefill_rows(prefill.query_lens, prefill.context_lens)
+            lens = torch.tensor(row_context, dtype=torch.int32).to(q_nope.device, non_blocking=True)
+            return absorbed_attention_batch_invariant(
+                q_nope, q_pe, w_uk, w_uv, cache, batch.block_tables[batch.num_decode_seqs :], lens, self.scale,
+                batch.kv_scale, row_table=row_table, row_context=row_context,
+            )
         latents = read_latents(cache, prefill.context_slots, q_nope.dtype, batch.kv_scale)
         k, v = self._decompress(latents)
         qry = torch.cat([q_nope, q_pe], dim=-1)
@@ -166,9 +186,12 @@ class MLAttention(nn.Module):
 
     def _naive_chunked(self, q_nope, q_pe, new_latents, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
         """Prefill sequences one by one: the new tokens causally from this step's latents (as the cache holds
-        them), then each chunk of the cached prefix (gathered from the group under DCP), merged by LSE."""
+        them), then each chunk of the cached prefix (gathered from the group under DCP), merged by LSE.
+        Batch-invariant mode (without DCP): as `_naive`'s, which walks any context in bounded tiles."""
         prefill = batch.prefill
         dcp = batch.context_parallel
+        if self.batch_invariant and dcp is None:
+            return self._naive(q_nope, q_pe, batch, cache)
         qry = torch.cat([q_nope, q_pe], dim=-1)
         new_latents = as_cached(new_latents, cache.dtype, batch.kv_scale)
         out = qry.new_empty(qry.shape[0], self.num_heads, self.v_head)
@@ -244,9 +267,13 @@ class DeepseekV3Model(nn.Module):
         self.rotary_emb = YarnRotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, device=device)
 
     def forward(
-        self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, aux_layers: tuple[int, ...] = ()
+        self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, aux_layers: tuple[int, ...] = (),
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         hidden = self.embed_tokens(input_ids)
+        if images is not None:  # image embeddings replace their placeholders' token embeddings
+            rows, embeds = images
+            hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
         aux = []
         for index, (layer, cache) in enumerate(zip(self.layers, kv_cache)):
             if index in aux_layers:  # the residual stream entering this layer (EAGLE-3's auxiliary states)
@@ -294,10 +321,12 @@ class KimiK2ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, aux_layers: tuple[int, ...] = ()
+        self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, aux_layers: tuple[int, ...] = (),
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Final-normed hidden [T, H]; with `aux_layers`, also the residual stream entering each of those layers,
-        concatenated in that order [T, len(aux_layers) * H] (what an EAGLE-3 draft reads)."""
+        concatenated in that order [T, len(aux_layers) * H] (what an EAGLE-3 draft reads). `images`: (rows,
+        embeddings) that replace those rows' token embeddings (a multimodal prompt's image placeholders)."""
         if kv_cache.shape[0] != self.config.num_hidden_layers or kv_cache.shape[-1] != self.config.kv_cache_dim:
             raise ValueError(
                 f"kv_cache shape {tuple(kv_cache.shape)} does not fit {self.config.num_hidden_layers} layers "
@@ -310,7 +339,7 @@ class KimiK2ForCausalLM(nn.Module):
             )
         if kv_cache.shape[2] != batch.block_size:
             raise ValueError(f"kv_cache block size {kv_cache.shape[2]} != batch block size {batch.block_size}")
-        return self.model(input_ids, batch, kv_cache, aux_layers)
+        return self.model(input_ids, batch, kv_cache, aux_layers, images)
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Switch every module that has a batch-invariant mode (a `batch_invariant` attribute) into or out of
