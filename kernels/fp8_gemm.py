@@ -21,7 +21,7 @@ what the Triton GEMM does per K step; the torch path forms the same products fro
   fixed order). The activation quantization is its own small kernel, one program per (token, group).
 - `torch.ops.kserve.fp8_block_linear` / `fp8_block_linear`: what callers use; Triton on CUDA from sm89
   (native fp8) when Triton is importable, the torch reference otherwise.
-- `fp8_block_linear_batch_invariant` (the layers' batch-invariant mode): a row's result does not depend on
+- `fp8_block_linear(..., batch_invariant=True)` (the layers' batch-invariant mode): a row's result does not depend on
   the other rows. Triton with one launch for every M (BATCH_INVARIANT_TILES, no split-K); on the CPU the
   torch path with the same K chunks but GEMMs over fixed row tiles (kserve.kernels.batch_invariant).
 """
@@ -382,9 +382,18 @@ def w8a8_block_matmul_quantized(
     weight_scale_inv: torch.Tensor,
     block: tuple[int, int] = SUPPORTED_BLOCK,
     out_dtype: torch.dtype = torch.float32,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """The GEMM on an activation the caller quantized itself (x_q float8 [M, K], x_scale [M, groups]):
-    Triton where it runs, the torch reference otherwise."""
+    Triton where it runs, the torch reference otherwise. `batch_invariant`: rows do not depend on each
+    other's presence (one fixed Triton launch, or fixed row tiles)."""
+    if batch_invariant:
+        if _use_triton(x_q, weight):
+            return w8a8_block_matmul_quantized_triton(
+                x_q.contiguous(), x_scale, weight, weight_scale_inv, block, out_dtype, split_k=1,
+                tiles=batch_invariant_tiles(),
+            )
+        return w8a8_block_matmul_quantized_invariant_torch(x_q, x_scale, weight, weight_scale_inv, block, out_dtype)
     if _use_triton(x_q, weight):
         return w8a8_block_matmul_quantized_triton(x_q.contiguous(), x_scale, weight, weight_scale_inv, block, out_dtype)
     return w8a8_block_matmul_quantized_torch(x_q, x_scale, weight, weight_scale_inv, block, out_dtype)
@@ -418,11 +427,24 @@ def fp8_block_linear(
     weight_scale_inv: torch.Tensor,
     block: tuple[int, int] = SUPPORTED_BLOCK,
     out_dtype: torch.dtype | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """y = x @ dequant(weight)^T with x quantized per token in 1 x 128 groups; x may have leading dims.
 
-    `out_dtype` defaults to x's dtype. Triton on CUDA sm89+, the torch reference otherwise."""
+    `out_dtype` defaults to x's dtype. Triton on CUDA sm89+, the torch reference otherwise.
+    `batch_invariant`: each row's result is what it would be alone (the activation quantization is per row
+    already; the GEMM runs one fixed launch / row tiling)."""
     check_fp8_linear_args(x, weight, weight_scale_inv, block)
+    if batch_invariant:
+        out_dtype = _resolve_out_dtype(x, out_dtype)
+        if _use_triton(x, weight):
+            return w8a8_block_matmul_triton(
+                x, weight, weight_scale_inv, block, out_dtype, split_k=1, tiles=batch_invariant_tiles()
+            )
+        lead = x.shape[:-1]
+        x_q, x_scale = quantize_per_token_group_torch(x.reshape(-1, x.shape[-1]), block[1])
+        out = w8a8_block_matmul_quantized_invariant_torch(x_q, x_scale, weight, weight_scale_inv, block, out_dtype)
+        return out.view(*lead, weight.shape[0])
     return torch.ops.kserve.fp8_block_linear(
         x, weight, weight_scale_inv, int(block[0]), int(block[1]), _resolve_out_dtype(x, out_dtype)
     )
@@ -440,41 +462,3 @@ def batch_invariant_tiles() -> GemmTiles:
     import os
 
     return _INTERPRET_TILES if os.environ.get("TRITON_INTERPRET") == "1" else BATCH_INVARIANT_TILES
-
-
-def w8a8_block_matmul_quantized_batch_invariant(
-    x_q: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale_inv: torch.Tensor,
-    block: tuple[int, int] = SUPPORTED_BLOCK,
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """`w8a8_block_matmul_quantized` whose rows do not depend on each other's presence."""
-    if _use_triton(x_q, weight):
-        return w8a8_block_matmul_quantized_triton(
-            x_q.contiguous(), x_scale, weight, weight_scale_inv, block, out_dtype, split_k=1,
-            tiles=batch_invariant_tiles(),
-        )
-    return w8a8_block_matmul_quantized_invariant_torch(x_q, x_scale, weight, weight_scale_inv, block, out_dtype)
-
-
-def fp8_block_linear_batch_invariant(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale_inv: torch.Tensor,
-    block: tuple[int, int] = SUPPORTED_BLOCK,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """`fp8_block_linear` in the batch-invariant mode: each row's result is what it would be alone (the
-    per-token activation quantization is per row already; the GEMM runs one fixed launch / row tiling)."""
-    check_fp8_linear_args(x, weight, weight_scale_inv, block)
-    out_dtype = _resolve_out_dtype(x, out_dtype)
-    if _use_triton(x, weight):
-        return w8a8_block_matmul_triton(
-            x, weight, weight_scale_inv, block, out_dtype, split_k=1, tiles=batch_invariant_tiles()
-        )
-    lead = x.shape[:-1]
-    x_q, x_scale = quantize_per_token_group_torch(x.reshape(-1, x.shape[-1]), block[1])
-    out = w8a8_block_matmul_quantized_invariant_torch(x_q, x_scale, weight, weight_scale_inv, block, out_dtype)
-    return out.view(*lead, weight.shape[0])

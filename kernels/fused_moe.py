@@ -43,7 +43,7 @@ Paths
   fused rounding exact.
 - `torch.ops.kserve.fused_moe` / `fused_moe`: what the model calls. Triton on CUDA (sm89+ when the
   weights are fp8), the torch path otherwise; `register_fake` makes it traceable with no host reads.
-- `fused_moe_batch_invariant` (the layers' batch-invariant mode): a token's output does not depend on
+- `fused_moe(..., batch_invariant=True)` (the layers' batch-invariant mode): a token's output does not depend on
   which other tokens hit its experts. Both paths above run one GEMM per expert segment whose M is the
   number of pairs that expert got (the grouped GEMM's kernel, the gather strategy's choice, the Triton
   tile from rows per expert), so they are batch-variant. Here the torch path sorts the pairs by expert
@@ -667,29 +667,17 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block: tuple[int, int] = DEFAULT_BLOCK,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """x [T, H] -> [T, H] in x.dtype (see the module docstring). Triton on CUDA, the torch path otherwise."""
+    """x [T, H] -> [T, H] in x.dtype (see the module docstring). Triton on CUDA, the torch path otherwise.
+    `batch_invariant`: Triton with one tile config, or the fixed-row-tile torch path (which reads the expert
+    segment ends on the host), so a token's output does not depend on the others'."""
     check_fused_moe_args(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)
+    if batch_invariant:
+        if _use_triton(x, w13, w13_scale is not None):
+            return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block,
+                                    batch_invariant=True)
+        return fused_moe_invariant_torch(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)
     return torch.ops.kserve.fused_moe(
         x, w13, w2, topk_weights, topk_ids, int(first_expert), w13_scale, w2_scale, int(block[0]), int(block[1])
     )
-
-
-def fused_moe_batch_invariant(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    first_expert: int,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    block: tuple[int, int] = DEFAULT_BLOCK,
-) -> torch.Tensor:
-    """`fused_moe` in the batch-invariant mode: Triton with one tile config where `fused_moe` would run
-    Triton, the fixed-row-tile torch path otherwise (which reads the expert segment ends on the host)."""
-    check_fused_moe_args(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)
-    if _use_triton(x, w13, w13_scale is not None):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block,
-                                batch_invariant=True)
-    return fused_moe_invariant_torch(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)

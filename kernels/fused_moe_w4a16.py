@@ -5,7 +5,7 @@ first_expert + E_local); remote pairs give exactly zero, decided on the device),
 exact weights q * scale, h = silu(gate) * up rounded to x.dtype, routing weight and top-k sum in fp32, one
 cast to x.dtype. Strategies, kernels and tiles: docs/w4a16_moe.md.
 
-`fused_moe_w4a16_batch_invariant` (the layers' batch-invariant mode), as kserve.kernels.fused_moe's: per
+`fused_moe_w4a16(..., batch_invariant=True)` (the layers' batch-invariant mode), as kserve.kernels.fused_moe's: per
 expert segment GEMMs over fixed row tiles on the torch path, one tile config on Triton, silu without a
 scalar tail and the top-k sum in slot order (docs/batch_invariance.md).
 """
@@ -404,31 +404,17 @@ def fused_moe_w4a16(
     w13_scale: torch.Tensor,
     w2_scale: torch.Tensor,
     group_size: int,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """x [T, H] -> [T, H] in x.dtype. Triton on CUDA, the torch path otherwise (kserve::fused_moe_w4a16)."""
-    check_w4a16_moe_args(
-        x, w13_packed, w2_packed, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, group_size
-    )
+    """x [T, H] -> [T, H] in x.dtype. Triton on CUDA, the torch path otherwise (kserve::fused_moe_w4a16).
+    `batch_invariant`: Triton with one tile config, or the fixed-row-tile torch path (one host read of the
+    expert segments)."""
+    args = (x, w13_packed, w2_packed, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, group_size)
+    check_w4a16_moe_args(*args)
+    if batch_invariant:
+        if _use_triton(x, group_size):
+            return fused_moe_w4a16_triton(*args, batch_invariant=True)
+        return fused_moe_w4a16_invariant_torch(*args)
     return torch.ops.kserve.fused_moe_w4a16(
         x, w13_packed, w2_packed, topk_weights, topk_ids, int(first_expert), w13_scale, w2_scale, int(group_size)
     )
-
-
-def fused_moe_w4a16_batch_invariant(
-    x: torch.Tensor,
-    w13_packed: torch.Tensor,
-    w2_packed: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    first_expert: int,
-    w13_scale: torch.Tensor,
-    w2_scale: torch.Tensor,
-    group_size: int,
-) -> torch.Tensor:
-    """`fused_moe_w4a16` in the batch-invariant mode: Triton with one tile config where `fused_moe_w4a16`
-    would run Triton, the fixed-row-tile torch path otherwise (one host read of the expert segments)."""
-    args = (x, w13_packed, w2_packed, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, group_size)
-    check_w4a16_moe_args(*args)
-    if _use_triton(x, group_size):
-        return fused_moe_w4a16_triton(*args, batch_invariant=True)
-    return fused_moe_w4a16_invariant_torch(*args)

@@ -13,6 +13,8 @@ mode, which does differ in such a case.
 
 from __future__ import annotations
 
+import functools
+
 import random
 
 import pytest
@@ -24,12 +26,11 @@ from kserve.kernels.fp8_dequant import quantize_blocks_torch
 from kserve.kernels.fp8_gemm import (
     batch_invariant_tiles,
     fp8_block_linear,
-    fp8_block_linear_batch_invariant,
     w8a8_block_matmul_triton,
 )
-from kserve.kernels.fused_moe import fused_moe_batch_invariant, fused_moe_torch, fused_moe_triton
+from kserve.kernels.fused_moe import fused_moe, fused_moe_torch, fused_moe_triton
 from kserve.kernels.fused_moe_w4a16 import (
-    fused_moe_w4a16_batch_invariant,
+    fused_moe_w4a16,
     fused_moe_w4a16_torch,
     fused_moe_w4a16_triton,
 )
@@ -133,7 +134,7 @@ def test_fp8_linear_rows_are_batch_invariant(n, k):
     def other(rng):
         return torch.randn(k, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) * rng.choice([0.1, 3])
 
-    got = row_in_batches(lambda rows: fp8_block_linear_batch_invariant(torch.stack(rows), weight, scale), target, other)
+    got = row_in_batches(lambda rows: fp8_block_linear(torch.stack(rows), weight, scale, batch_invariant=True), target, other)
     assert all_equal(got)
     plain = row_in_batches(lambda rows: fp8_block_linear(torch.stack(rows), weight, scale), target, other)
     assert not all_equal(plain), "the default FP8 linear (one addmm over all rows) was expected to vary"
@@ -142,7 +143,7 @@ def test_fp8_linear_rows_are_batch_invariant(n, k):
 
 def test_fp8_quantized_matmul_rows_are_batch_invariant():
     """The GEMM on an activation the caller quantized (a row-parallel shard that cuts a 128-wide group)."""
-    from kserve.kernels.fp8_gemm import w8a8_block_matmul_quantized, w8a8_block_matmul_quantized_batch_invariant
+    from kserve.kernels.fp8_gemm import w8a8_block_matmul_quantized
     from kserve.kernels.fp8_quant import quantize_per_token_group_torch
 
     weight, scale = fp8_weight(256, 384, seed=16)
@@ -158,7 +159,7 @@ def test_fp8_quantized_matmul_rows_are_batch_invariant():
 
         return go
 
-    got = row_in_batches(run(w8a8_block_matmul_quantized_batch_invariant), target, other)
+    got = row_in_batches(run(functools.partial(w8a8_block_matmul_quantized, batch_invariant=True)), target, other)
     assert all_equal(got)
     plain = row_in_batches(run(w8a8_block_matmul_quantized), target, other)
     torch.testing.assert_close(got[0], plain[0], rtol=1e-5, atol=1e-5)
@@ -247,7 +248,7 @@ def test_fused_moe_token_output_is_batch_invariant(fp8, dtype):
     def other(rng):
         return moe_token(rng, hidden, experts, top_k, dtype)
 
-    got = row_in_batches(moe_runner(fused_moe_batch_invariant, weights), target, other, layouts=MOE_LAYOUTS)
+    got = row_in_batches(moe_runner(functools.partial(fused_moe, batch_invariant=True), weights), target, other, layouts=MOE_LAYOUTS)
     assert all_equal(got)
     plain = row_in_batches(moe_runner(fused_moe_torch, weights), target, other, layouts=MOE_LAYOUTS)
     if dtype == torch.float32:  # (in bf16 the output's rounding hides the default's last-bit changes here)
@@ -265,7 +266,7 @@ def test_fused_moe_remote_experts_stay_zero_and_rows_stay_invariant():
     def other(rng):
         return moe_token(rng, hidden, 4, top_k, torch.float32, first_expert=4)
 
-    got = row_in_batches(moe_runner(fused_moe_batch_invariant, weights, first_expert=4), target, other)
+    got = row_in_batches(moe_runner(functools.partial(fused_moe, batch_invariant=True), weights, first_expert=4), target, other)
     assert all_equal(got)
     want = moe_runner(fused_moe_torch, weights, first_expert=4)([target])[0]
     torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
@@ -280,7 +281,7 @@ def test_fused_moe_w4a16_token_output_is_batch_invariant(dtype):
     def other(rng):
         return moe_token(rng, hidden, experts, top_k, dtype)
 
-    got = row_in_batches(moe_runner(fused_moe_w4a16_batch_invariant, weights), target, other, layouts=MOE_LAYOUTS)
+    got = row_in_batches(moe_runner(functools.partial(fused_moe_w4a16, batch_invariant=True), weights), target, other, layouts=MOE_LAYOUTS)
     assert all_equal(got)
     plain = row_in_batches(moe_runner(fused_moe_w4a16_torch, weights), target, other, layouts=MOE_LAYOUTS)
     if dtype == torch.float32:

@@ -20,7 +20,7 @@ everything on 128 boundaries and needs neither.
 
 `batch_invariant` (set by `KimiK2ForCausalLM.set_batch_invariant`): a row's output does not depend on the
 other rows: the GEMMs run over fixed row tiles / one fixed Triton launch (kserve.kernels.batch_invariant,
-`fp8_block_linear_batch_invariant`) and a row-parallel sum adds the ranks' parts in rank order.
+`fp8_block_linear(..., batch_invariant=True)`) and a row-parallel sum adds the ranks' parts in rank order.
 """
 
 from __future__ import annotations
@@ -34,9 +34,7 @@ from kserve.kernels.batch_invariant import all_reduce_fixed_order, linear_rows
 from kserve.kernels.fp8_dequant import dequantize_blocks, scale_shape
 from kserve.kernels.fp8_gemm import (
     fp8_block_linear,
-    fp8_block_linear_batch_invariant,
     w8a8_block_matmul_quantized,
-    w8a8_block_matmul_quantized_batch_invariant,
 )
 from kserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 from kserve.layers.weight_loading import copy_checked
@@ -109,8 +107,7 @@ class ShardedLinear(nn.Module):
             return linear_rows(x, self.weight) if self.batch_invariant else F.linear(x, self.weight)
         if self.pad_in:
             x = F.pad(x, (self.pad_in, 0))
-        linear = fp8_block_linear_batch_invariant if self.batch_invariant else fp8_block_linear
-        y = linear(x, self.weight, self.weight_scale_inv, self.block)
+        y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block, batch_invariant=self.batch_invariant)
         return y[..., self.pad_out :].contiguous() if self.pad_out else y
 
 
@@ -164,6 +161,6 @@ class RowParallelLinear(ShardedLinear):
         amax = self.parallel.all_reduce_max(amax)[:, first : first + groups]
         scales = amax.clamp(min=SCALE_FLOOR) / FP8_MAX
         x_q = (tiles / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(x2.shape[0], groups * b1)[:, : x2.shape[1]]
-        matmul = w8a8_block_matmul_quantized_batch_invariant if self.batch_invariant else w8a8_block_matmul_quantized
-        y = matmul(x_q.to(FP8_DTYPE), scales, self.weight, self.weight_scale_inv, self.block, x.dtype)
+        y = w8a8_block_matmul_quantized(x_q.to(FP8_DTYPE), scales, self.weight, self.weight_scale_inv, self.block,
+                                        x.dtype, batch_invariant=self.batch_invariant)
         return y.view(*lead, self.weight.shape[0])

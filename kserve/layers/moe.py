@@ -8,7 +8,7 @@ and shared partial outputs are summed over ranks with one all-reduce.
 
 `batch_invariant` (router, routed experts, the layer; set by `KimiK2ForCausalLM.set_batch_invariant`): a
 token's routing and output do not depend on the other tokens: the router's GEMM over fixed row tiles and
-sigmoid without a scalar tail, `fused_moe_batch_invariant` / `fused_moe_w4a16_batch_invariant`, and the
+sigmoid without a scalar tail, `fused_moe` / `fused_moe_w4a16` with `batch_invariant=True`, and the
 tensor-parallel sum in rank order (kserve.kernels.batch_invariant).
 """
 
@@ -22,8 +22,8 @@ from kserve.config import ModelConfig
 from kserve.distributed import ParallelState
 from kserve.kernels import batch_invariant as bi
 from kserve.kernels.fp8_dequant import scale_shape
-from kserve.kernels.fused_moe import fused_moe, fused_moe_batch_invariant
-from kserve.kernels.fused_moe_w4a16 import fused_moe_w4a16, fused_moe_w4a16_batch_invariant
+from kserve.kernels.fused_moe import fused_moe
+from kserve.kernels.fused_moe_w4a16 import fused_moe_w4a16
 from kserve.kernels.int4_pack import group_scale_shape, packed_shape
 from kserve.layers.mlp import GatedMLP
 from kserve.layers.weight_loading import copy_checked
@@ -166,18 +166,17 @@ class RoutedExperts(nn.Module):
         mode's torch path reads the expert segment ends on the host.
         """
         if self.int4_group is not None:
-            moe_w4a16 = fused_moe_w4a16_batch_invariant if self.batch_invariant else fused_moe_w4a16
-            return moe_w4a16(
+            return fused_moe_w4a16(
                 x, self.gate_up_proj_packed, self.down_proj_packed, weights, ids, self.first_expert,
-                self.gate_up_proj_scale, self.down_proj_scale, self.int4_group,
+                self.gate_up_proj_scale, self.down_proj_scale, self.int4_group, batch_invariant=self.batch_invariant,
             )
-        moe = fused_moe_batch_invariant if self.batch_invariant else fused_moe
         if self.block:
-            return moe(
+            return fused_moe(
                 x, self.gate_up_proj, self.down_proj, weights, ids, self.first_expert,
-                self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.block,
+                self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.block, batch_invariant=self.batch_invariant,
             )
-        return moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.first_expert)
+        return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.first_expert,
+                         batch_invariant=self.batch_invariant)
 
 
 class DeepseekMoE(nn.Module):
