@@ -273,3 +273,18 @@ def test_speculation_on_fp8_weights_is_exact_in_batch_invariant_mode(tiny_k2_dir
         stats = llm.engine.stats()
     _same([o.outputs[0] for o in plain], [o.outputs[0] for o in speculative])
     assert stats.spec_decode.num_accepted_tokens > 0
+
+
+def test_eagle3_draft_state_is_dropped_for_aborted_and_finished_requests(dense_tiny_dir, draft_dir) -> None:
+    with LLM(str(dense_tiny_dir), dtype="float32", num_kv_blocks=32,
+             speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": 2}) as llm:
+        engine = llm.engine
+        engine.add_request("kept", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        engine.add_request("cut", [9, 10, 11], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        assert len(engine.proposer.caches) == 2
+        engine.abort_request("cut")
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.proposer.caches == {}

@@ -263,6 +263,10 @@ class Eagle3Proposer:
             cache.next_logits, cache.next_hidden = logits[-1:], out[-1:]
             cache.next_position = first + real  # the draft predicts the token after this position's
 
+    def forget(self, seq_id: int) -> None:
+        """An aborted sequence is never scheduled again, so `observe` would not see it finish."""
+        self.caches.pop(seq_id, None)
+
     @torch.inference_mode()
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         cache = self.caches.get(seq.seq_id)

@@ -304,6 +304,8 @@ class LLMEngine:
             return None
         for seq in request.seqs:
             self.output_processor.finish_aborted(seq)
+            if self.proposer is not None:
+                self.proposer.forget(seq.seq_id)
         self.scheduler.abort(request.seqs)
         return request
 

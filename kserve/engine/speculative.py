@@ -82,6 +82,9 @@ class Proposer(Protocol):
 
     def observe(self, scheduled: list, accepted: dict[int, int]) -> None: ...
 
+    def forget(self, seq_id: int) -> None:
+        """Drop what is kept for a sequence that will not run again (aborted)."""
+
 
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (n from
@@ -110,6 +113,9 @@ class NgramProposer:
         return []
 
     def observe(self, scheduled: list, accepted: dict[int, int]) -> None:
+        """Prompt lookup keeps no state."""
+
+    def forget(self, seq_id: int) -> None:
         """Prompt lookup keeps no state."""
 
 
