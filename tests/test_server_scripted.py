@@ -61,6 +61,7 @@ class ScriptedEngine:
         self.stop_ids = {tokenizer.id_of("<|im_end|>"), tokenizer.id_of("[EOS]")}
         self.aborted: list[str] = []
         self.running: set[str] = set()
+        self.seconds_per_token = 0.0  # > 0 paces a stream like a real engine
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
@@ -71,7 +72,7 @@ class ScriptedEngine:
         self.running.add(request_id)
         try:
             for step, tok in enumerate(ids):
-                await asyncio.sleep(0)
+                await asyncio.sleep(self.seconds_per_token)
                 for out, detok in zip(outs, detoks):
                     if tok in self.stop_ids:
                         out.finish_reason = "stop"
@@ -307,6 +308,7 @@ def _record_prompts(scripted):
     engine.script = _recording_script
     yield
     engine.script = default_script
+    engine.seconds_per_token = 0.0
 
 
 def test_disconnect_mid_stream_aborts(scripted):
@@ -314,6 +316,8 @@ def test_disconnect_mid_stream_aborts(scripted):
 
     server, _, engine, _ = scripted
     engine.script = lambda prompt: "word " * 2000 + "<|im_end|>"
+    # Paced (2000 tokens take 10 s) so the stream cannot finish, and need no abort, before the client leaves.
+    engine.seconds_per_token = 0.005
     body = {"model": MODEL, "messages": [{"role": "user", "content": "talk"}], "stream": True}
     http = httpx.Client(timeout=30)
     with http, http.stream("POST", server.base_url + "/v1/chat/completions", json=body) as resp:
