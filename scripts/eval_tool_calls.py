@@ -1,14 +1,16 @@
 """How often a served model calls the right tool with the right arguments, on held-out conversations.
 
-    python scripts/eval_tool_calls.py [MODEL_DIR] --count 200 --seed 1 [--base-url URL] [--json out.json]
+    python scripts/eval_tool_calls.py [MODEL_DIR] --count 200 --seed 1 [--thinking off] [--base-url URL] [--json out.json]
 
 Without --base-url it starts `kserve serve MODEL_DIR` in this process on 127.0.0.1 with the defaults a
 user gets (tool_choice auto, default tool grammar). Each held-out conversation (scripts/gen_tool_data.py,
 split `heldout`, phrasings never used in training) is cut before the assistant turn under test and sent
-through the official `openai` client, greedy. Reported:
+through the official `openai` client, greedy, with the model's default thinking mode (`--thinking off`
+sends `chat_template_kwargs: {"thinking": false}`). Reported:
 - tool_call_rate: share of tool requests answered with finish_reason tool_calls naming the expected tools;
 - exact_args_rate: share of tool requests whose calls also carry exactly the expected arguments;
-- plain_stop_rate: share of plain chats answered with text ending in `stop` within 64 tokens.
+- plain_stop_rate: share of plain chats answered with text ending in `stop` within 64 tokens (reasoning
+  included).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gen_tool_data import generate
 
 
-def score(client: Any, model: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def score(client: Any, model: str, rows: list[dict[str, Any]], thinking: bool | None = None) -> dict[str, Any]:
     tool_rows = [r for r in rows if r["expect"]["kind"] == "tool_calls"]
     plain_rows = [r for r in rows if r["expect"]["kind"] == "text"]
     right_tool = exact = plain_stop = 0
@@ -32,6 +34,8 @@ def score(client: Any, model: str, rows: list[dict[str, Any]]) -> dict[str, Any]
     for row in rows:
         prompt = row["messages"][: row["eval_turn"]]
         kwargs: dict[str, Any] = {"tools": row["tools"], "tool_choice": "auto"} if row["tools"] else {}
+        if thinking is not None:
+            kwargs["extra_body"] = {"chat_template_kwargs": {"thinking": thinking}}
         resp = client.chat.completions.create(model=model, messages=prompt, temperature=0.0,
                                               max_tokens=64 if row["expect"]["kind"] == "text" else 256, **kwargs)
         choice = resp.choices[0]
@@ -54,6 +58,7 @@ def score(client: Any, model: str, rows: list[dict[str, Any]]) -> dict[str, Any]
         if not ok and len(failures) < 10:
             failures.append({"prompt": prompt[-1]["content"], "expect": row["expect"],
                              "got": {"finish_reason": choice.finish_reason, "content": choice.message.content,
+                                     "reasoning": getattr(choice.message, "reasoning_content", None),
                                      "tool_calls": [c.model_dump() for c in choice.message.tool_calls or []]}})
     return {
         "tool_requests": len(tool_rows),
@@ -73,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=200)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--base-url", default=None, help="a running server's base URL (loopback)")
+    p.add_argument("--thinking", choices=["default", "on", "off"], default="default",
+                   help="the chat template's thinking switch (default: the model's own default)")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
 
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
-        result = score(client, model, rows)
+        result = score(client, model, rows, {"default": None, "on": True, "off": False}[args.thinking])
     finally:
         if server is not None:
             server.stop()

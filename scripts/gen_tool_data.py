@@ -1,16 +1,19 @@
-"""Synthetic multi-turn tool-use conversations in Kimi K2's chat format, deterministic by seed.
+"""Synthetic multi-turn tool-use conversations in Kimi K2.6's chat format, deterministic by seed.
 
     python scripts/gen_tool_data.py --seed 0 --count 20000 --split train --out data/train.jsonl
     python scripts/gen_tool_data.py --seed 1 --count 500 --split heldout --out data/heldout.jsonl
 
-Each line holds one conversation: `messages` and `tools` (OpenAI shapes), `text` (the whole
-conversation rendered by kserve's chat layer, exactly as the server would render it), `spans` (the
-character ranges of the assistant turns, the only text a model is trained to produce), and `expect`:
+Each line holds one conversation: `messages` and `tools` (OpenAI shapes; every assistant turn carries a
+one-sentence `reasoning_content`), `thinking` (most conversations think; the rest are rendered with
+thinking off), `text` (the prompt kserve's K2.6 renderer writes for the last assistant turn, followed by
+that turn), `spans` (the character ranges of the assistant turns that text shows as the model writes them:
+reasoning after the `<think>` prefill, then the answer or the tool calls), and `expect`:
 what the final assistant turn must do (`{"kind": "tool_calls", "calls": [{"name", "arguments"}]}` or
 `{"kind": "text"}`), which the evaluation checks against a model's answer to `messages[:-1]` cut at the
 turn under test (`prompt_messages`).
 
-`--split heldout` draws from phrasings never used for training; use another seed as well.
+`--split heldout` draws from phrasings (wrappers, joiners, openers, closers, plain chats, agent system
+prompts) never used for training; use another seed as well.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tool_data_pool import SYSTEM_PROMPTS, Phrasing, Tool, build_tools, phrasing
 
 from kserve.chat import render_prompt
+
+DIALECT = "k2.6"
 
 _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z_0-9.]*)\}")
 
@@ -76,7 +81,9 @@ def _ask(rng: random.Random, tool: Tool, args: dict[str, Any]) -> str:
 
 def _wrap(rng: random.Random, intent: str, style: Phrasing) -> str:
     wrapper = rng.choice(style.wrappers)
-    return wrapper.replace("{Intent}", intent[:1].upper() + intent[1:]).replace("{intent}", intent)
+    request = wrapper.replace("{Intent}", intent[:1].upper() + intent[1:]).replace("{intent}", intent)
+    opener = rng.choice(style.openers)
+    return (f"{opener} {request}" if opener else request)
 
 
 def _call(tool: Tool, args: dict[str, Any], index: int) -> dict[str, Any]:
@@ -84,87 +91,134 @@ def _call(tool: Tool, args: dict[str, Any], index: int) -> dict[str, Any]:
             "function": {"name": tool.name, "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
-def _think(text: str, thinking: bool) -> str:
-    return f"<think>{text}</think>" if thinking else ""
+def _assistant(reasoning: str, content: str, thinking: bool, **extra: Any) -> dict[str, Any]:
+    """An assistant message; its one-sentence reasoning only where the conversation thinks."""
+    message: dict[str, Any] = {"role": "assistant", "content": content, **extra}
+    if thinking:
+        message["reasoning_content"] = reasoning
+    return message
 
 
-def _declared(rng: random.Random, pool: list[Tool], must: list[Tool]) -> list[Tool]:
+def _declared(rng: random.Random, pool: list[Tool], must: list[Tool], agent: bool) -> list[Tool]:
     others = [t for t in pool if t not in must]
-    chosen = must + rng.sample(others, rng.randint(0, 3))
+    chosen = must + rng.sample(others, rng.randint(3, 7) if agent else rng.randint(0, 3))
     rng.shuffle(chosen)
     return chosen
 
 
-def _prefix(rng: random.Random) -> list[dict[str, Any]]:
+def _agent_prompt(rng: random.Random, style: Phrasing) -> str:
+    """A long agent system prompt: a persona and 8 to 16 rules, a few hundred tokens."""
+    rules = rng.sample(style.rules, min(len(style.rules), rng.randint(8, 16)))
+    return rng.choice(style.personas) + "\n\n# Rules\n" + "\n".join(f"- {r}" for r in rules)
+
+
+def _prefix(rng: random.Random, style: Phrasing, agent: bool) -> list[dict[str, Any]]:
+    if agent:
+        return [{"role": "system", "content": _agent_prompt(rng, style)}]
     if rng.random() < 0.5:
         return [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}]
     return []
 
 
-def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thinking: bool) -> dict[str, Any]:
-    """A user asks for one or two tool uses; the assistant calls, reads the results, answers."""
+def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thinking: bool,
+                      agent: bool) -> dict[str, Any]:
+    """A user asks for one or two tool uses; the assistant thinks one sentence, calls, reads the results, answers."""
     n_calls = 2 if rng.random() < 0.2 else 1
     used = rng.sample(pool, n_calls)
     args = [t.draw(rng) for t in used]
     intents = [_ask(rng, t, a) for t, a in zip(used, args)]
     intent = intents[0] if n_calls == 1 else rng.choice(style.joiners).format(a=intents[0], b=intents[1])
-    user = _wrap(rng, intent, style) + "".join(_mention_optional(t, a) for t, a in zip(used, args))
-    messages = _prefix(rng)
+    user = (_wrap(rng, intent, style) + "".join(_mention_optional(t, a) for t, a in zip(used, args))
+            + rng.choice(style.closers))
+    messages = _prefix(rng, style, agent)
     if rng.random() < 0.15:  # an earlier small-talk exchange
         greet, answer = rng.choice(style.plain)
-        messages += [{"role": "user", "content": rng.choice(greet)}, {"role": "assistant", "content": answer}]
+        ask = rng.choice(greet)
+        messages += [{"role": "user", "content": ask},
+                     _assistant(_plain_reasoning(ask), answer, thinking)]
     messages.append({"role": "user", "content": user})
     calls = [_call(t, a, i) for i, (t, a) in enumerate(zip(used, args))]
-    names = " and ".join(t.name for t in used)
-    messages.append({"role": "assistant", "content": _think(f"The user wants {names}; I call it with their values.", thinking),
-                     "tool_calls": calls})
+    names = " and then ".join(t.name for t in used)
+    wants = " and to ".join(intents)
+    messages.append(_assistant(f"The request is to {wants}, so I will call {names}.", "", thinking,
+                               tool_calls=calls))
     results = [t.result(rng, a) for t, a in zip(used, args)]
     for call, tool, result in zip(calls, used, results):
         messages.append({"role": "tool", "tool_call_id": call["id"], "name": tool.name,
                          "content": json.dumps(result, ensure_ascii=False)})
     answer = " ".join(fill(t.answer, a, r) for t, a, r in zip(used, args, results))
-    messages.append({"role": "assistant", "content": _think("I have the results.", thinking) + answer})
+    got = " and ".join(t.name for t in used)
+    messages.append(_assistant(f"I have the result of {got}, so I will answer.", answer, thinking))
     expect = {"kind": "tool_calls", "calls": [{"name": t.name, "arguments": a} for t, a in zip(used, args)]}
     # evaluation asks the first assistant turn after the user's request
     turn = len(messages) - 2 - len(used)
-    return {"messages": messages, "tools": [t.schema() for t in _declared(rng, pool, used)],
+    return {"messages": messages, "tools": [t.schema() for t in _declared(rng, pool, used, agent)],
             "expect": expect, "eval_turn": turn}
 
 
-def plain_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thinking: bool) -> dict[str, Any]:
+def _plain_reasoning(ask: str) -> str:
+    return f"The user says \"{ask}\", which needs no tool, so I will reply directly."
+
+
+def plain_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thinking: bool,
+                       agent: bool) -> dict[str, Any]:
     """A chat that needs no tool, with or without tools declared."""
     greet, answer = rng.choice(style.plain)
-    messages = _prefix(rng) + [{"role": "user", "content": rng.choice(greet)},
-                               {"role": "assistant", "content": _think("No tool is needed.", thinking) + answer}]
-    tools = [t.schema() for t in rng.sample(pool, rng.randint(1, 4))] if rng.random() < 0.5 else []
+    ask = rng.choice(greet)
+    messages = _prefix(rng, style, agent) + [{"role": "user", "content": ask},
+                                             _assistant(_plain_reasoning(ask), answer, thinking)]
+    declare = agent or rng.random() < 0.5
+    tools = [t.schema() for t in rng.sample(pool, rng.randint(4, 8) if agent else rng.randint(1, 4))] if declare else []
     return {"messages": messages, "tools": tools, "expect": {"kind": "text", "content": answer},
             "eval_turn": len(messages) - 1}
 
 
-def assistant_spans(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[str, list[list[int]]]:
-    """The rendered conversation and the [start, end) character ranges of its assistant turns (body + <|im_end|>)."""
-    text = render_prompt(messages, tools or None, add_generation_prompt=False)
+def _render(messages: list[dict[str, Any]], tools: list[dict[str, Any]], generation: bool, thinking: bool,
+            preserve: bool = False) -> str:
+    return render_prompt(messages, tools or None, add_generation_prompt=generation, dialect=DIALECT,
+                         thinking=thinking, preserve_thinking=True if preserve else None)
+
+
+def _turn_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]], i: int, thinking: bool) -> str:
+    """Assistant message i as the model writes it after the generation prompt: reasoning (when thinking),
+    `</think>`, the answer or the tool calls, `<|im_end|>`."""
+    whole = _render(messages[: i + 1], tools, False, thinking, preserve=thinking)
+    prompt = _render(messages[:i], tools, True, thinking, preserve=thinking)
+    if not whole.startswith(prompt):
+        raise AssertionError("rendering is not prefix-stable; spans would be wrong")
+    return whole[len(prompt):]
+
+
+def assistant_spans(messages: list[dict[str, Any]], tools: list[dict[str, Any]], thinking: bool
+                    ) -> tuple[str, list[list[int]]]:
+    """The server's prompt for the last assistant turn followed by that turn, and the [start, end) character
+    ranges of the assistant turns it shows as the model writes them. History turns whose reasoning the
+    K2.6 format drops (a small-talk answer before the request) are context, not spans."""
+    last = len(messages) - 1
+    text = _render(messages[:last], tools, True, thinking) + _turn_text(messages, tools, last, thinking)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(render_prompt(messages[:i], tools or None, add_generation_prompt=True))
-        end = len(render_prompt(messages[: i + 1], tools or None, add_generation_prompt=False))
-        if not text.startswith(render_prompt(messages[: i + 1], tools or None, add_generation_prompt=False)):
-            raise AssertionError("rendering is not prefix-stable; spans would be wrong")
-        spans.append([start, end])
+        start = len(_render(messages[:i], tools, True, thinking))
+        turn = _turn_text(messages, tools, i, thinking)
+        if text.startswith(_render(messages[:i], tools, True, thinking)) and text[start:start + len(turn)] == turn:
+            spans.append([start, start + len(turn)])
     return text, spans
 
 
-def generate(seed: int, count: int, split: str = "train", thinking: bool = False, plain_share: float = 0.3) -> list[dict]:
+def generate(seed: int, count: int, split: str = "train", plain_share: float = 0.3, thinking_share: float = 0.85,
+             agent_share: float = 0.2) -> list[dict]:
     rng = random.Random(f"{split}:{seed}")
     pool = build_tools()
     style = phrasing(split)
     out = []
     for _ in range(count):
         make = plain_conversation if rng.random() < plain_share else tool_conversation
-        convo = make(rng, pool, style, thinking)
-        convo["text"], convo["spans"] = assistant_spans(convo["messages"], convo["tools"])
+        thinking = rng.random() < thinking_share
+        convo = make(rng, pool, style, thinking, agent=rng.random() < agent_share)
+        convo["thinking"] = thinking
+        convo["text"], convo["spans"] = assistant_spans(convo["messages"], convo["tools"], thinking)
         out.append(convo)
     return out
 
@@ -174,10 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--count", type=int, default=1000)
     p.add_argument("--split", choices=["train", "heldout"], default="train")
-    p.add_argument("--thinking", action="store_true", help="prefix assistant turns with <think> reasoning")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    rows = generate(args.seed, args.count, args.split, args.thinking)
+    rows = generate(args.seed, args.count, args.split)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)

@@ -1,19 +1,12 @@
-"""Train the tiny K2 on synthetic tool-use conversations and write it in K2's published layout.
+"""Train the tiny K2.6 on synthetic tool-use conversations and write it in K2.6's published layout.
 
-    python scripts/train_tiny_chat.py --out /tmp/tiny-chat [--seed 0] [--stop-at N] [--init-from DIR]
+    python scripts/train_tiny_chat.py --out DIR [--seed 0] [--stop-at N] [--init-from DIR]
 
-Plain torch on the CPU: the model is transformers' DeepseekV3ForCausalLM (the same architecture and
-the geometry of `kserve make-tiny`, with K2's 131,072-token YaRN context), fp32 weights with bf16
-matmuls, trained with AdamW on conversations from scripts/gen_tool_data.py: the assistant turns at
-weight 1 (their tool-call arguments at `--arguments-weight`, the tokens that choose between text and a
-tool call, which tool and how many calls at `--choice-weight`), the rest of each conversation at
-`--context-weight`. The tokenizer is a byte-level BPE learned from the conversations; batches hold
-whole conversations of similar length. `--qk-clip` bounds every head's attention logit as K2's
-QK-Clip does. The result is quantized to FP8 128x128 blocks and written with K2's tokenizer files, so
-kserve loads it like any K2 checkpoint. A progress bar shows the loss; `loss.png` and `train_log.json`
-in the output directory record the curve. The defaults are the embedded model's recipe; its exact
-command is in the README ("The embedded model"). Same seed, same arguments => the same data,
-tokenizer and batch order; weights up to floating-point thread nondeterminism.
+transformers' DeepseekV3ForCausalLM on the CPU (make-tiny's K2.6 geometry with 4 heads), AdamW, K2's
+QK-Clip, routed experts through INT4 fake quantization; loss weighted toward each assistant turn's
+reasoning sentence, tool names and arguments. Written as `kimi_k25` + INT4 experts + K2.6 tokenizer files,
+with `loss.png` and `train_log.json`. The defaults are the embedded model's recipe (README, "The embedded
+model"); same arguments, same data, tokenizer and batch order.
 """
 
 from __future__ import annotations
@@ -34,16 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gen_tool_data import generate
 
-# K2's context: YaRN factor 32 over 4,096 original positions.
-K2_CONTEXT = {"max_position_embeddings": 131072,
-              "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
-                               "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"}}
+# make-tiny's K2.6 text config, with half its attention heads: the package stays under 20 MB with K2.6's
+# bf16 attention (make-tiny's 8 heads alone would be 14 MB of it).
+TEXT_OVERRIDES = {"num_attention_heads": 4, "num_key_value_heads": 4}
+INT4_GROUP = 32
 
 
-def model_config(base: dict[str, Any]) -> dict[str, Any]:
-    return {**base, **K2_CONTEXT}
-
-
+_THINK_END = "</think>"
 _CALL = re.compile(r"<\|tool_call_begin\|>(.*?)<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.S)
 
 
@@ -51,9 +41,10 @@ def encode_conversation(tokenizer: Any, text: str, spans: list[list[int]], argum
                         choice_weight: float = 1.0) -> tuple[list[int], list[float]]:
     """Token ids and each token's loss weight: 0 outside the assistant spans, 1 inside, `arguments_weight`
     on a tool call's arguments (the values to copy from the request) and `choice_weight` on the tokens that
-    decide what the turn does: its first token (text or a tool-call section), each called tool's name,
-    and the token after each call (another call or the section's end). Every piece begins and ends at a
-    control token, so encoding piece by piece gives the same ids as encoding the whole text."""
+    decide what the turn does: its reasoning sentence (which says text or tool, and which tool) and its
+    `</think>`, or without reasoning its first token (text or a tool-call section), each called tool's
+    name, and the token after each call (another call or the section's end). Every piece begins and ends
+    at a control token, so encoding piece by piece gives the same ids as encoding the whole text."""
     call_end = tokenizer.encode("<|tool_call_end|>", allow_special_tokens=True)[0]
     ids: list[int] = []
     weights: list[float] = []
@@ -68,15 +59,21 @@ def encode_conversation(tokenizer: Any, text: str, spans: list[list[int]], argum
     for start, end in spans:
         add(cursor, start, 0.0)
         first, inner = len(ids), start
-        for m in _CALL.finditer(text, start, end):
+        think_end = text.find(_THINK_END, start, end)
+        if think_end >= 0:  # the reasoning sentence and its </think> decide the turn
+            add(start, think_end + len(_THINK_END), choice_weight)
+            inner = think_end + len(_THINK_END)
+        after_think = len(ids)
+        for m in _CALL.finditer(text, inner, end):
             add(inner, m.start(1), 1.0)
             add(m.start(1), m.end(1), choice_weight)
             add(m.end(1), m.start(2), 1.0)
             add(m.start(2), m.end(2), arguments_weight)
             inner = m.end(2)
         add(inner, end, 1.0)
-        if len(ids) > first:
-            weights[first] = choice_weight
+        for i in (first, after_think):  # the turn's first token and the one after </think>: text or a call
+            if i < len(ids):
+                weights[i] = choice_weight
         for i in range(first, len(ids) - 1):
             if ids[i] == call_end:
                 weights[i + 1] = choice_weight
@@ -124,16 +121,18 @@ def learn_corpus_ranks(convos: list[dict[str, Any]], vocab_size: int) -> tuple[b
 
 
 def export_checkpoint_tensors(model: torch.nn.Module, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """transformers' state dict -> K2 checkpoint tensors (per-expert gate/up/down, FP8 blocks + scales)."""
+    """transformers' state dict -> K2.6 text-model tensors, named without `language_model.` (per-expert
+    gate/up/down as compressed-tensors INT4: packed int32, bf16 group scales, shape; the rest bf16/fp32)."""
     from kserve.config import ModelConfig
-    from kserve.kernels.fp8_dequant import quantize_blocks_torch
-    from kserve.model.weights_layout import BF16, FP8, checkpoint_tensors
+    from kserve.kernels.int4_pack import pack_int4, quantize_int4_groups
+    from kserve.model.weights_layout import BF16, INT4, checkpoint_tensors
 
     config = ModelConfig.from_dict(cfg)
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
     inter = config.moe_intermediate_size
 
     def dense(name: str) -> torch.Tensor:
+        name = name.removesuffix("_packed")
         if name in state:
             return state[name]
         parts = name.split(".")  # model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight
@@ -144,14 +143,58 @@ def export_checkpoint_tensors(model: torch.nn.Module, cfg: dict[str, Any]) -> di
         return gate_up[:inter] if proj == "gate_proj" else gate_up[inter:]
 
     out: dict[str, torch.Tensor] = {}
-    block = tuple(config.quantization_config.weight_block_size)
     for spec in checkpoint_tensors(config):
         w = dense(spec.name)
-        if spec.kind == FP8:
-            out[spec.name], out[spec.scale_name] = quantize_blocks_torch(w, block)
+        if spec.kind == INT4:
+            q, out[spec.scale_name] = quantize_int4_groups(w, config.int4_group_size)
+            out[spec.name] = pack_int4(q)
+            out[spec.shape_name] = torch.tensor(spec.logical_shape, dtype=torch.int32)
         else:
             out[spec.name] = w.to(torch.bfloat16 if spec.kind == BF16 else torch.float32)
     return out
+
+
+class FakeInt4(torch.nn.Module):
+    """Routed-expert weights [..., out, in] as the checkpoint will hold them (symmetric INT4 per group of
+    `group` inputs, bf16 scales, as kernels/int4_pack.py quantizes), with a straight-through gradient."""
+
+    def __init__(self, group: int) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        groups = weight.unflatten(-1, (-1, self.group))
+        scale = (groups.detach().abs().amax(-1, keepdim=True) / 7.5).clamp_min(1e-8).to(torch.bfloat16).float()
+        quantized = torch.round(groups / scale).clamp(-8, 7) * scale
+        return (groups + (quantized - groups).detach()).flatten(-2)
+
+
+def fake_quantize_experts(model: torch.nn.Module, group: int) -> list[torch.nn.Module]:
+    """Parametrize every routed-expert weight with FakeInt4; returns the modules (for unfake_experts)."""
+    from torch.nn.utils import parametrize
+
+    modules = [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    for experts in modules:
+        for name in ("gate_up_proj", "down_proj"):
+            parametrize.register_parametrization(experts, name, FakeInt4(group))
+    return modules
+
+
+def unfake_experts(modules: list[torch.nn.Module]) -> None:
+    from torch.nn.utils import parametrize
+
+    for experts in modules:
+        for name in ("gate_up_proj", "down_proj"):
+            parametrize.remove_parametrizations(experts, name, leave_parametrized=False)
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: there bf16 matmuls run about twice fp32's speed; without them about 3x slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -211,19 +254,21 @@ class AttentionLogitClip:
                 self.clipped += 1
 
 
-def write_weights(model: torch.nn.Module, cfg: dict[str, Any], out: Path) -> None:
-    """Overwrite the checkpoint's shards in `out` with the model's weights (FP8 blocks + scales)."""
-    from safetensors.torch import save_file
+def write_weights(model: torch.nn.Module, cfg: dict[str, Any], out: Path, prefix: str = "language_model.") -> None:
+    """Overwrite the text model's tensors in `out`'s shards with the model's weights (the vision tower's stay)."""
+    from safetensors.torch import load_file, save_file
 
-    tensors = export_checkpoint_tensors(model, cfg)
+    tensors = {prefix + n: t for n, t in export_checkpoint_tensors(model, cfg).items()}
     index = json.loads((out / "model.safetensors.index.json").read_text())
     for f in sorted(set(index["weight_map"].values())):
-        save_file({n: t.contiguous() for n, t in tensors.items() if index["weight_map"][n] == f}, str(out / f),
-                  metadata={"format": "pt"})
+        shard = load_file(str(out / f))
+        shard.update({n: t for n, t in tensors.items() if index["weight_map"].get(n) == f})
+        save_file({n: t.contiguous() for n, t in shard.items()}, str(out / f), metadata={"format": "pt"})
         (out / f).chmod(0o644)  # safetensors writes through a private temp file
 
 
 def train(args: argparse.Namespace) -> Path:
+    from torch.nn.utils import parametrize
     from tqdm import tqdm
     from transformers import DeepseekV3ForCausalLM
 
@@ -235,11 +280,12 @@ def train(args: argparse.Namespace) -> Path:
     random.seed(args.seed)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    convos = generate(args.seed, args.conversations, "train", thinking=args.thinking)
+    convos = generate(args.seed, args.conversations, "train")
     ranks = learn_corpus_ranks(convos[: args.bpe_conversations], args.vocab)
-    # make-tiny writes the tokenizer files and config; the weights are then replaced by trained ones
-    write_tiny_checkpoint(out, seed=args.seed, config_overrides=K2_CONTEXT, ranks=ranks)
-    cfg = json.loads((out / "config.json").read_text())
+    # make-tiny writes the tokenizer files, config and vision tower; the text weights are then replaced
+    write_tiny_checkpoint(out, seed=args.seed, variant="k25", config_overrides=TEXT_OVERRIDES, ranks=ranks)
+    wrapper = json.loads((out / "config.json").read_text())
+    cfg = {**wrapper["text_config"], "eos_token_id": wrapper["eos_token_id"]}
     tokenizer = load_tokenizer(out)
     pad_id = cfg["eos_token_id"]
 
@@ -257,6 +303,9 @@ def train(args: argparse.Namespace) -> Path:
         model = build_hf_reference(args.init_from).float().train()
     else:
         model = DeepseekV3ForCausalLM(hf_config(out)).float().train()
+    faked = fake_quantize_experts(model, INT4_GROUP) if args.int4_qat else []
+    bf16 = args.matmul_dtype == "bf16" or args.matmul_dtype == "auto" and cpu_has_native_bf16()
+    print(f"matmuls in {'bf16' if bf16 else 'fp32'}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     clip = AttentionLogitClip(model, args.qk_clip) if args.qk_clip else None
     gen = torch.Generator().manual_seed(args.seed if args.shuffle_seed is None else args.shuffle_seed)
@@ -273,8 +322,7 @@ def train(args: argparse.Namespace) -> Path:
         x, m, real = batches[order.pop()]
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        # bf16 matmuls (fp32 weights, optimizer and loss): twice fp32's speed on these CPUs
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), parametrize.cached():
             logits = model(input_ids=x).logits[:, :-1]
         target, weight = x[:, 1:].reshape(-1), m[:, 1:].reshape(-1)
         assistant = (weight > 0).float()
@@ -288,7 +336,8 @@ def train(args: argparse.Namespace) -> Path:
         # repeated tool names teaches the attention to look back and copy, which the assistant turns need
         total = total + args.context_weight * (loss_tok * context).sum() / context.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
-        total.backward()
+        with parametrize.cached():
+            total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if clip is not None:
@@ -299,6 +348,7 @@ def train(args: argparse.Namespace) -> Path:
             write_weights(model, cfg, out)
             last_export = time.time()
 
+    unfake_experts(faked)
     write_weights(model, cfg, out)
     # a run started from another keeps that one's stages before its own
     stages = _stages(Path(args.init_from)) if args.init_from else []
@@ -341,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=40000)
-    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--steps", type=int, default=3600)
     p.add_argument("--batch-tokens", type=int, default=3072, help="padded tokens per batch")
     p.add_argument("--max-len", type=int, default=1024, help="longer conversations are cut")
     p.add_argument("--vocab", type=int, default=4096, help="BPE tokens learned from the conversations")
@@ -352,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="loss weight of the tool calls' argument tokens (the rest of the assistant's are 1)")
     p.add_argument("--choice-weight", type=float, default=3.0,
                    help="loss weight of the tokens that choose text or a tool call, which tool, and how many calls")
-    p.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 matmuls (default: bf16 autocast)")
+    p.add_argument("--matmul-dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="bf16 autocast or fp32 matmuls (auto: bf16 where the CPU has native bf16)")
     p.add_argument("--qk-clip", type=float, default=15.0,
                    help="bound every head's attention logit by this (K2's QK-Clip; 0: off)")
     p.add_argument("--shuffle-seed", type=int, default=None, help="batch order (default: --seed)")
@@ -361,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--thinking", action="store_true")
+    p.add_argument("--no-int4-qat", dest="int4_qat", action="store_false",
+                   help="train the routed experts in fp32 and only round them to INT4 at export")
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop after this many steps (the learning-rate schedule still spans --steps)")
     p.add_argument("--time-limit", type=float, default=0.0, help="stop after this many seconds (0: none)")

@@ -1,4 +1,5 @@
-"""The synthetic tool-use data behind the embedded chat model (scripts/gen_tool_data.py)."""
+"""The synthetic tool-use data behind the embedded chat model (scripts/gen_tool_data.py): K2.6's format,
+a reasoning sentence before every answer and call, held-out phrasings never trained on."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from gen_tool_data import generate
 from tool_data_pool import (
+    AGENT_PERSONAS_HELDOUT,
+    AGENT_PERSONAS_TRAIN,
+    AGENT_RULES_HELDOUT,
+    AGENT_RULES_TRAIN,
+    CLOSERS_HELDOUT,
+    CLOSERS_TRAIN,
+    OPENERS_HELDOUT,
+    OPENERS_TRAIN,
     PLAIN_CHATS,
     PLAIN_CHATS_HELDOUT,
     TWO_TASK_JOINERS_HELDOUT,
@@ -47,12 +56,55 @@ def test_heldout_phrasings_are_never_used_for_training():
     assert not set(TWO_TASK_JOINERS_TRAIN) & set(TWO_TASK_JOINERS_HELDOUT)
     train_chats = {ask.lower() for asks, _ in PLAIN_CHATS for ask in asks}
     assert not train_chats & {ask.lower() for asks, _ in PLAIN_CHATS_HELDOUT for ask in asks}
+    for train, heldout in ((OPENERS_TRAIN, OPENERS_HELDOUT), (CLOSERS_TRAIN, CLOSERS_HELDOUT),
+                           (AGENT_PERSONAS_TRAIN, AGENT_PERSONAS_HELDOUT), (AGENT_RULES_TRAIN, AGENT_RULES_HELDOUT)):
+        assert not (set(train) - {""}) & set(heldout)
+        assert set(heldout) - {""}
 
 
-def test_training_weights_the_assistant_turns_their_arguments_and_their_choices(tiny_k2_dir):
+def test_no_heldout_request_or_agent_prompt_appears_in_the_training_data():
+    """The evaluation's conversations (seed 1) against the start of the shipped model's training data (seed 0):
+    no user message and no agent system prompt in common, and every held-out tool request uses a held-out
+    wrapper or joiner."""
+    train = generate(0, 4000)
+    heldout = generate(1, 400, "heldout")
+
+    def said(rows, role):
+        return {m["content"] for r in rows for m in r["messages"] if m["role"] == role}
+
+    assert not said(train, "user") & said(heldout, "user")
+    agent_prompts = {p for p in said(heldout, "system") if "# Rules" in p}
+    assert agent_prompts and not agent_prompts & said(train, "system")
+    heldout_shapes = [w.split("{")[0] or w.split("}")[-1] for w in WRAPPERS_HELDOUT]
+    for row in heldout:
+        if row["expect"]["kind"] == "tool_calls":
+            request = row["messages"][row["eval_turn"] - 1]["content"]
+            assert any(shape in request for shape in heldout_shapes) or " as well as " in request, request
+
+
+def test_every_answer_and_call_starts_with_one_reasoning_sentence_unless_thinking_is_off():
+    rows = generate(0, 200)
+    assert 0.7 < sum(r["thinking"] for r in rows) / len(rows) < 0.95
+    for row in rows:
+        for start, end in row["spans"]:
+            turn = row["text"][start:end]
+            before = row["text"][:start]
+            if row["thinking"]:
+                assert before.endswith("<|im_middle|><think>")
+                reasoning, rest = turn.split("</think>", 1)
+                # one sentence: what the user wants, then ", so I will" and what the turn does
+                assert reasoning.count(", so I will ") == 1 and reasoning.endswith(".") and len(reasoning) < 400
+                if rest.startswith("<|tool_calls_section_begin|>"):
+                    names = [c.name for c in parse_tool_output(rest[: -len("<|im_end|>")]).calls]
+                    assert reasoning.startswith("The request is to") and all(n in reasoning for n in names)
+            else:
+                assert before.endswith("<think></think>") and "</think>" not in turn
+
+
+def test_training_weights_the_assistant_turns_their_arguments_and_their_choices(tiny_k25_dir):
     from kserve.chat import load_tokenizer
 
-    tokenizer = load_tokenizer(tiny_k2_dir)
+    tokenizer = load_tokenizer(tiny_k25_dir)  # K2.6's: <think> and </think> are control tokens
     rows = generate(0, 60)
     for row in rows:
         ids, weights = encode_conversation(tokenizer, row["text"], row["spans"], arguments_weight=3.0,
@@ -65,28 +117,37 @@ def test_training_weights_the_assistant_turns_their_arguments_and_their_choices(
         calls = [c for m in row["messages"] for c in m.get("tool_calls") or []]
         assert arguments == "".join(c["function"]["arguments"] for c in calls)
         choices = [tokenizer.decode([i]) for i, w in zip(ids, weights) if w == 2.0]
-        opening = [row["text"][a:b] for a, b in row["spans"]]
+        opening = [row["text"][a:b].split("</think>")[-1] for a, b in row["spans"]]
         assert len([t for t in choices if t == "<|tool_calls_section_begin|>"]) == sum(
             turn.startswith("<|tool_calls_section_begin|>") for turn in opening)
+        reasonings = [row["text"][a:b].split("</think>")[0] + "</think>" for a, b in row["spans"] if row["thinking"]]
+        assert all(r in "".join(choices) for r in reasonings)
         assert "".join(choices).count("functions.") == len(calls)
         assert choices.count("<|tool_calls_section_end|>") == sum(bool(m.get("tool_calls")) for m in row["messages"])
 
 
 @pytest.mark.parametrize("split", ["train", "heldout"])
-def test_calls_are_schema_valid_and_render_as_k2_parses_them(split):
+def test_calls_are_schema_valid_and_render_as_k26_parses_them(split):
     rows = generate(0, 150, split)
     assert {r["expect"]["kind"] for r in rows} == {"tool_calls", "text"}
     by_name = {t.name: t for t in build_tools()}
     for row in rows:
-        # the spans cut the rendered text exactly at assistant turns
-        assert row["text"] == render_prompt(row["messages"], row["tools"] or None, add_generation_prompt=False)
+        # the text is the server's K2.6 prompt for the last assistant turn (TypeScript tools, <think> prefill
+        # or <think></think> with thinking off), then that turn; the spans cut it exactly at assistant turns
+        prompt = render_prompt(row["messages"][:-1], row["tools"] or None, add_generation_prompt=True,
+                               dialect="k2.6", thinking=row["thinking"])
+        assert row["text"].startswith(prompt) and row["spans"][-1] == [len(prompt), len(row["text"])]
+        if row["tools"]:
+            assert "namespace functions {" in row["text"]
         assistants = [m for m in row["messages"] if m["role"] == "assistant"]
-        assert len(row["spans"]) == len(assistants)
-        for (start, end), message in zip(row["spans"], assistants):
+        # an earlier small-talk answer keeps no reasoning in K2.6's history: context, not a span
+        assert len(row["spans"]) == len(assistants) - (row["thinking"] and sum(
+            not m.get("tool_calls") for m in assistants[:-1]))
+        for (start, end), message in zip(row["spans"][::-1], assistants[::-1]):
             turn = row["text"][start:end]
             assert turn.endswith("<|im_end|>")
             if message.get("tool_calls"):
-                parsed = parse_tool_output(turn[: -len("<|im_end|>")])
+                parsed = parse_tool_output(turn.split("</think>")[-1][: -len("<|im_end|>")])
                 assert [c.name for c in parsed.calls] == [c["function"]["name"] for c in message["tool_calls"]]
         if row["expect"]["kind"] == "tool_calls":
             declared = {t["function"]["name"] for t in row["tools"]}
