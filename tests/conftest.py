@@ -37,7 +37,7 @@ def tiny_k25_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server():
-    """A live server over the embedded tiny K2 model, one per test module; a module needing other settings
+    """A live server over the embedded tiny K2.6 model, one per test module; a module needing other settings
     defines its own `server` with `live_server.running_server(...)`."""
     # imported here: it needs the openai SDK (a test extra), which only the server tests use
     from live_server import running_server

@@ -1,4 +1,4 @@
-"""A real uvicorn over the embedded tiny K2 engine, shared by the tests that talk to the server through an SDK."""
+"""A real uvicorn over the embedded tiny K2.6 engine, shared by the tests that talk to the server through an SDK."""
 
 from __future__ import annotations
 

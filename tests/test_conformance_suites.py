@@ -25,6 +25,8 @@ DESELECTED = {
     "test_response_format_with": "K3-only: its expected prompt_tokens is a K3 tokenization",
     "auto_may": "model judgement: whether to call a tool under tool_choice auto",
     "test_json_object": "model judgement: the suite wants the model to pick a 'city' key",
+    "global_and_dynamic_tools_coexist": "model judgement: which of two tools suits 'what is the weather in beijing?' "
+                                        "under tool_choice required (the grammar allows either)",
 }
 SUITE_TIMEOUT_S = 600
 
@@ -54,4 +56,4 @@ def test_vendor_contract_suites_pass(server, tmp_path):
     assert not failed, "\n".join(failed)
     assert done.returncode == 0, done.stdout[-3000:]
     # 27 dynamic-tools, 7 tool_choice and 9 response_format cases stay selected, each streamed and not.
-    assert passed == 86 and skipped == 0, (passed, skipped, done.stdout[-2000:])
+    assert passed == 84 and skipped == 0, (passed, skipped, done.stdout[-2000:])

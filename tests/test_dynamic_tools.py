@@ -1,6 +1,6 @@
 """Dynamic tools (tools declared in a system message) and the Kimi Vendor Verifier's request contract, on the
-built-in K2 renderer and the embedded tiny K2 chat model: rendering, the 400s, tool_choice / response_format
-checks, tool-call markers masked without tools, usage.
+built-in K2 renderer (rendering) and the embedded tiny K2.6 chat model (the 400s, tool_choice / response_format
+checks, tool-call markers masked without tools, usage).
 
 The K2.5+ dialect (TypeScript declarations, a tiny random k25 model) is in test_dynamic_tools_k25.py, which reuses
 the request cases below.
@@ -319,7 +319,8 @@ def test_tokenize_shows_the_dynamic_declaration_and_rejects_what_chat_rejects(se
     resp = tokenize(server, {"messages": [dynamic(WEATHER), USER], "return_token_strs": True})
     assert resp.status_code == 200
     text = "".join(resp.json()["token_strs"])
-    assert text.startswith("<|im_system|>tool_declare<|im_middle|>[{") and '"get_weather"' in text
+    # the embedded model is K2.6-format: a TypeScript declaration
+    assert text.startswith("<|im_system|>tool_declare<|im_middle|># Tools") and "type get_weather = " in text
     case_id, fields, param, code = REJECTED[0]
     bad = tokenize(server, fields)
     assert_openai_error(bad.status_code, bad.json(), param, code)
@@ -369,7 +370,8 @@ def test_schema_problems_of_dynamic_tools_are_counted(server, ctx, monkeypatch, 
     integer_city = fn("get_weather", parameters={"type": "object", "properties": {"city": {"type": "integer"}},
                                                  "required": ["city"]})
     before = ctx.metrics.tool_call_problems["schema_invalid"]
-    status, out = post_chat(server, {"messages": [dynamic(integer_city), USER]}, stream=stream, temperature=0,
+    paris = {"role": "user", "content": "What's the weather like in Paris today?"}  # a question in its training style
+    status, out = post_chat(server, {"messages": [dynamic(integer_city), paris]}, stream=stream, temperature=0,
                             max_tokens=64)
     assert status == 200, out
     assert out["choices"][0]["finish_reason"] == "tool_calls"

@@ -1,4 +1,4 @@
-"""The engine on the real model code (embedded tiny K2 checkpoint, fp32, CPU).
+"""The engine on the real model code (embedded tiny K2.6 checkpoint, fp32, CPU).
 
 Batch invariance, prefix caching, preemption, block accounting, seeds and stop strings, each
 checked against the same requests run alone / with a large cache / without the prefix cache.

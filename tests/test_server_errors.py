@@ -74,9 +74,10 @@ BAD_INPUTS = [
      ["content"]),
     ("user-null-content", CHAT, chat(messages=[{"role": "user", "content": None}]), 400, "messages[0].content",
      ["content"]),
-    ("image-part", CHAT, chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "messages[0].content[0].type",
-     ["image_url", "text only"]),
+    # the embedded K2.6 model sees images, but fetches no URL unless --allowed-media-domains names its host
+    ("image-url", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "messages[0].content[0]",
+     ["not fetched", "data: URL"]),
     ("tool-msg-no-id", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].tool_call_id",
      ["tool_call_id"]),
     ("temperature-string", CHAT, chat(temperature="hot"), 400, "temperature", ["temperature", "number"]),
@@ -183,12 +184,14 @@ def test_unresolvable_ref_at_validation_time_is_a_counted_tool_problem():
 
 def test_context_overflow_message_says_by_how_much(http, server):
     from kserve.chat import ChatTemplate, load_tokenizer
+    from kserve.config import ModelConfig
 
     messages = [{"role": "user", "content": "word " * 400}]
     # The prompt's length, counted apart from the server: the model's own template rendered to text, and
     # that text tokenized whole (the plain text holds no control-token look-alikes, so the two routes agree).
     model_dir = server.app.state.server.context.engine.model_dir
-    text = ChatTemplate.load(model_dir).render(messages, None, add_generation_prompt=True)
+    dialect = ModelConfig.from_model_dir(model_dir).chat_dialect  # the family's, as the engine decides it at load
+    text = ChatTemplate.load(model_dir, dialect=dialect).render(messages, None, add_generation_prompt=True)
     prompt_len = len(load_tokenizer(model_dir).encode(text, allow_special_tokens=True))
     assert prompt_len > MAX_MODEL_LEN
     message = http.post(CHAT, json=chat(messages=messages)).json()["error"]["message"]

@@ -618,10 +618,16 @@ def _no_tower_errors(server: Any, words: list[str]) -> None:
     assert text.status_code == 200  # text still works
 
 
-def test_embedded_k2_without_a_tower_refuses_images():
-    with running_server() as srv:
+def test_k2_without_a_tower_refuses_images(tiny_k2_dir):
+    engine = EngineConfig(model=str(tiny_k2_dir), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    with running_server(engine) as srv:
         assert not srv.app.state.server.context.llm_engine.supports_images
         _no_tower_errors(srv, ["no vision tower"])
+
+
+def test_the_embedded_k26_model_has_a_tower():
+    with running_server() as srv:  # `kserve serve` with no arguments
+        assert srv.app.state.server.context.llm_engine.supports_images
 
 
 def test_language_model_only_refuses_images(tiny_k25_dir):

@@ -1,4 +1,4 @@
-"""The server over the real engine (embedded tiny K2 model), on a real uvicorn, through the official client."""
+"""The server over the real engine (embedded tiny K2.6 model), on a real uvicorn, through the official client."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from live_server import openai_client  # noqa: E402
 from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
 
 from kserve.chat import ChatTemplate  # noqa: E402
+from kserve.config import ModelConfig  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CONFORMANCE = SHARED / "conformance"
@@ -47,7 +48,7 @@ def test_chat_non_streaming_usage_matches_real_token_counts(client, ctx):
     assert choice.finish_reason in ("stop", "length")
     assert isinstance(choice.message.content, str) and choice.message.role == "assistant"
     # prompt tokens: what the chat layer encodes for this conversation, computed independently here
-    template = ChatTemplate.load(ctx.engine.model_dir)
+    template = ChatTemplate.load(ctx.engine.model_dir, dialect=ModelConfig.from_model_dir(ctx.engine.model_dir).chat_dialect)
     expected_prompt = template.encode(ctx.tokenizer, [
         {"role": "system", "content": "You are a terse assistant."},
         {"role": "user", "content": "Name three colors."},
@@ -61,7 +62,9 @@ def test_chat_non_streaming_usage_matches_real_token_counts(client, ctx):
         assert resp.usage.completion_tokens == 12
     specials = ctx.tokenizer.special_ids
     visible = [e for e in entries if not (e.token in specials and ctx.tokenizer.is_skippable(specials[e.token]))]
-    assert bytes(b for e in visible for b in e.bytes).decode("utf-8", "replace") == choice.message.content
+    # the embedded K2.6 model thinks first: the tokens spell its reasoning, then the content
+    reasoning = (choice.message.model_extra or {}).get("reasoning_content") or ""
+    assert bytes(b for e in visible for b in e.bytes).decode("utf-8", "replace") == reasoning + choice.message.content
     assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in entries)
 
 

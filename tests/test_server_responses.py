@@ -1,8 +1,9 @@
-"""`/v1/responses`, `/tokenize` and `/detokenize` over the real engine (embedded tiny K2) on a real uvicorn,
+"""`/v1/responses`, `/tokenize` and `/detokenize` over the real engine (embedded tiny K2.6) on a real uvicorn,
 through the official `openai` SDK.
 
-The tiny model has random weights: a test that needs a call or a finished (not length-cut) answer forces the
-structure with `tool_choice` or `text.format`, which are grammar-constrained like their chat twins.
+The tiny model thinks one sentence first and then rarely strays from its training chats: a test that needs a call
+or a finished (not length-cut) answer forces the structure with `tool_choice` or `text.format`, which are
+grammar-constrained like their chat twins.
 """
 
 from __future__ import annotations
@@ -81,9 +82,15 @@ def test_create_text_response(client, ctx):
     assert resp.status in ("completed", "incomplete")
     if resp.status == "incomplete":
         assert resp.incomplete_details.reason == "max_output_tokens" and resp.usage.output_tokens == 8
-    [message] = resp.output
-    assert message.type == "message" and message.content[0].type == "output_text"
-    assert resp.output_text == message.content[0].text
+    # the embedded K2.6 model thinks first: a reasoning item, then the message once the thought ends (an
+    # 8-token budget may end inside the thought)
+    kinds = [item.type for item in resp.output]
+    assert kinds in (["reasoning"], ["reasoning", "message"]), kinds
+    assert resp.output[0].content[0].type == "reasoning_text" and resp.output[0].content[0].text
+    messages = [item for item in resp.output if item.type == "message"]
+    for message in messages:
+        assert message.content[0].type == "output_text"
+    assert resp.output_text == "".join(m.content[0].text for m in messages)
     assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
     assert client.responses.retrieve(resp.id).model_dump() == resp.model_dump()
 
@@ -121,17 +128,19 @@ def test_function_call_streamed_and_not(client, ctx):
 def test_function_call_output_round_trip_and_previous_response_id(server, client, ctx, engine_prompts):
     first = _forced_call(client, ctx)
     call = next(item for item in first.output if item.type == "function_call")
+    thought = next(item for item in first.output if item.type == "reasoning")  # the model thinks first
     answer = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21C"}
-    # the whole conversation sent again...
+    # the whole conversation sent again (the reasoning item too: a stored response keeps it)...
     resent = client.responses.create(model=ctx.model_name, max_output_tokens=4, tools=[WEATHER],
-                                     input=[{"role": "user", "content": QUESTION},
+                                     input=[{"role": "user", "content": QUESTION}, thought.model_dump(exclude_none=True),
                                             call.model_dump(exclude_none=True), answer])
     # ...and the same continued from the stored response
     chained = client.responses.create(model=ctx.model_name, max_output_tokens=4, tools=[WEATHER],
                                       previous_response_id=first.id, input=[answer])
     assert chained.previous_response_id == first.id
     chat_messages = [{"role": "user", "content": QUESTION},
-                     {"role": "assistant", "content": None, "tool_calls": [
+                     {"role": "assistant", "content": None, "reasoning_content": thought.content[0].text,
+                      "tool_calls": [
                          {"id": call.call_id, "type": "function",
                           "function": {"name": call.name, "arguments": call.arguments}}]},
                      {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21C"}]
@@ -148,7 +157,8 @@ def test_tokenize_and_detokenize(server, client, ctx):
     tok = httpx.post(server.base_url + "/tokenize", json={"model": ctx.model_name, "messages": messages}).json()
     assert tok["count"] == len(tok["tokens"]) == chat.usage.prompt_tokens and tok["max_model_len"] == ctx.max_model_len
     text = httpx.post(server.base_url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
-    assert text.endswith("<|im_assistant|>assistant<|im_middle|>") and "Hi <|im_end|> there" in text
+    # the embedded K2.6 model thinks by default: the generation prompt ends in the <think> prefill
+    assert text.endswith("<|im_assistant|>assistant<|im_middle|><think>") and "Hi <|im_end|> there" in text
     # client text that spells a control token is not that token (injection-safe encoding, as for chat)
     assert tok["tokens"].count(ctx.tokenizer.special_ids["<|im_end|>"]) == 2
     no_gen = httpx.post(server.base_url + "/tokenize", json={"messages": messages, "add_generation_prompt": False})

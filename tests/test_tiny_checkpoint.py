@@ -152,29 +152,42 @@ def test_round_trip_loads_in_kserve_and_transformers(tiny_k2_dir):
     )
 
 
-def test_embedded_model_is_a_trained_k2_checkpoint_in_the_package():
-    """The default model ships inside the package in K2's published layout, under 20 MB, with K2's context."""
+def test_embedded_model_is_a_trained_k26_checkpoint_in_the_package():
+    """The default model ships inside the package in K2.6's published layout (kimi_k25 wrapper, `language_model.`
+    names, compressed-tensors INT4 routed experts, bf16 elsewhere, K2.6's EOS and context), under 20 MB."""
     from kserve.chat import load_tokenizer
+    from kserve.chat.dialect import dialect_named
 
     path = embedded_model_dir()
     assert path.parent == Path(kserve.tiny.__file__).resolve().parent
     names = {p.name for p in path.iterdir()}
     assert {"config.json", "generation_config.json", "tiktoken.model", "tokenizer_config.json",
-            "model.safetensors.index.json"} <= names
-    weights = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    assert 0 < weights <= 20 * 2**20
+            "model.safetensors.index.json", "loss.png", "train_log.json"} <= names
+    package = sum(p.stat().st_size for p in path.iterdir())
+    assert 0 < package <= 20 * 2**20
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["model_type"] == "kimi_k25" and raw["text_config"]["quantization_config"]["format"] == "pack-quantized"
     cfg = ModelConfig.from_model_dir(path)
-    assert cfg.max_position_embeddings == 131072 and cfg.rope_scaling.factor == 32.0
+    assert cfg.max_position_embeddings == 262144 and cfg.rope_scaling.factor == 64.0
     assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank) == (128, 64, 128, 512)
+    assert cfg.int4_group_size == 32
     tokenizer = load_tokenizer(path)
     assert cfg.vocab_size == tokenizer.base_vocab_size + 256
     # the tokenizer files are the project's own output (make-tiny's writer over the BPE learned from the
-    # training conversations), not a copy of K2's: special ids follow the 4,096-token base vocabulary
-    assert json.loads((path / "tokenizer_config.json").read_text()) == tokenizer_config(tokenizer.base_vocab_size)
-    assert tokenizer.base_vocab_size == 4096 and cfg.eos_token_id == special_token_id(163585, 4096)
+    # training conversations), not a copy of K2.6's: special ids follow the 4,096-token base vocabulary
+    assert json.loads((path / "tokenizer_config.json").read_text()) == tokenizer_config(tokenizer.base_vocab_size,
+                                                                                        k25=True)
+    assert tokenizer.base_vocab_size == 4096 and cfg.eos_token_id == tokenizer.id_of("<|im_end|>")
     index = json.loads((path / "model.safetensors.index.json").read_text())
-    with safe_open(path / index["weight_map"]["model.layers.1.mlp.experts.0.down_proj.weight"], "pt") as f:
-        assert f.get_tensor("model.layers.1.mlp.experts.0.down_proj.weight").dtype == torch.float8_e4m3fn
+    expert = "language_model.model.layers.1.mlp.experts.0.down_proj.weight_packed"
+    with safe_open(path / index["weight_map"][expert], "pt") as f:
+        assert f.get_tensor(expert).dtype == torch.int32
+    attention = "language_model.model.layers.1.self_attn.kv_b_proj.weight"
+    with safe_open(path / index["weight_map"][attention], "pt") as f:
+        assert f.get_tensor(attention).dtype == torch.bfloat16
+    # decided once at load: the K2.6 chat dialect, thinking by default
+    dialect = dialect_named(cfg.chat_dialect)
+    assert dialect.name == "k2.6" and dialect.thinking_default
     # trained by scripts/train_tiny_chat.py, whose log ships beside the weights
     stages = json.loads((path / "train_log.json").read_text())["stages"]
     assert stages[-1]["log"][-1]["loss"] < 0.5 * stages[0]["log"][0]["loss"]

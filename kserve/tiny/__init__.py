@@ -1,8 +1,8 @@
 """Tiny Kimi K2 models: random checkpoints for tests (`kserve make-tiny`) and the trained embedded chat model.
 
 Modules, one job each: `bpe` (the byte-level BPE trainer and its corpus), `tokenizer_files`
-(K2-format tiktoken.model and tokenizer_config.json), `checkpoint` (config and FP8 safetensors in
-Moonshot's layout), `embedded` (the trained chat model shipped in the package, the default model).
+(K2-format tiktoken.model and tokenizer_config.json), `checkpoint` (config and FP8 or INT4 safetensors in
+Moonshot's layouts), `embedded` (the trained K2.6-format chat model shipped in the package, the default model).
 """
 
 from kserve.chat.tokenizer import K2_PAT_STR

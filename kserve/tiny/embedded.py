@@ -1,15 +1,15 @@
-"""The embedded model: a tiny K2 trained on synthetic tool-use chats, shipped inside the package.
+"""The embedded model: a tiny K2.6 trained on synthetic tool-use chats, shipped inside the package.
 
 `kserve serve` with no model and `LLM()` serve it. It was written by scripts/train_tiny_chat.py in
-Moonshot's published layout (FP8 128x128 blocks, tiktoken.model, tokenizer_config.json,
-generation_config.json); the README's model card says what it can and cannot do.
+K2.6's published layout (`kimi_k25` wrapper, compressed-tensors INT4 routed experts, tiktoken.model,
+tokenizer_config.json, generation_config.json); the README's model card says what it can and cannot do.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-EMBEDDED_MODEL_NAME = "tiny-k2-chat"
+EMBEDDED_MODEL_NAME = "tiny-k26-chat"
 
 
 def embedded_model_dir() -> Path:
