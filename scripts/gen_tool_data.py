@@ -83,7 +83,7 @@ def _wrap(rng: random.Random, intent: str, style: Phrasing) -> str:
     wrapper = rng.choice(style.wrappers)
     request = wrapper.replace("{Intent}", intent[:1].upper() + intent[1:]).replace("{intent}", intent)
     opener = rng.choice(style.openers)
-    return (f"{opener} {request}" if opener else request)
+    return f"{opener} {request}" if opener else request
 
 
 def _call(tool: Tool, args: dict[str, Any], index: int) -> dict[str, Any]:
@@ -200,10 +200,10 @@ def assistant_spans(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(_render(messages[:i], tools, True, thinking))
+        prompt = _render(messages[:i], tools, True, thinking)
         turn = _turn_text(messages, tools, i, thinking)
-        if text.startswith(_render(messages[:i], tools, True, thinking)) and text[start:start + len(turn)] == turn:
-            spans.append([start, start + len(turn)])
+        if text.startswith(prompt + turn):
+            spans.append([len(prompt), len(prompt) + len(turn)])
     return text, spans
 
 
