@@ -155,18 +155,19 @@ def export_checkpoint_tensors(model: torch.nn.Module, cfg: dict[str, Any]) -> di
 
 
 class FakeInt4(torch.nn.Module):
-    """Routed-expert weights [..., out, in] as the checkpoint will hold them (symmetric INT4 per group of
-    `group` inputs, bf16 scales, as kernels/int4_pack.py quantizes), with a straight-through gradient."""
+    """Routed-expert weights [..., out, in] rounded as the export rounds them (kernels/int4_pack.py's
+    quantize_int4_groups), with a straight-through gradient."""
 
     def __init__(self, group: int) -> None:
         super().__init__()
         self.group = group
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        groups = weight.unflatten(-1, (-1, self.group))
-        scale = (groups.detach().abs().amax(-1, keepdim=True) / 7.5).clamp_min(1e-8).to(torch.bfloat16).float()
-        quantized = torch.round(groups / scale).clamp(-8, 7) * scale
-        return (groups + (quantized - groups).detach()).flatten(-2)
+        from kserve.kernels.int4_pack import quantize_int4_groups
+
+        q, scale = quantize_int4_groups(weight.detach().reshape(-1, weight.shape[-1]), self.group)
+        rounded = (q.float().unflatten(-1, (-1, self.group)) * scale.float().unsqueeze(-1)).reshape(weight.shape)
+        return weight + (rounded - weight).detach()
 
 
 def fake_quantize_experts(model: torch.nn.Module, group: int) -> list[torch.nn.Module]:

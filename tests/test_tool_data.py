@@ -30,7 +30,7 @@ from tool_data_pool import (
     WRAPPERS_TRAIN,
     build_tools,
 )
-from train_tiny_chat import encode_conversation, learn_corpus_ranks
+from train_tiny_chat import FakeInt4, encode_conversation, learn_corpus_ranks
 
 from kserve.chat import parse_tool_output, render_prompt
 
@@ -171,3 +171,20 @@ def test_the_embedded_models_tokenizer_is_learned_from_these_conversations():
 
     ranks = learn_corpus_ranks(generate(0, 3000), 4096)
     assert (embedded_model_dir() / "tiktoken.model").read_text() == tiktoken_model_text(ranks)
+
+
+def test_experts_train_on_the_int4_values_the_checkpoint_will_hold():
+    """The fake quantization in training gives exactly the weights the INT4 export dequantizes to, and passes
+    the gradient straight through."""
+    import torch
+
+    from kserve.kernels.int4_pack import dequantize_int4, pack_int4, quantize_int4_groups
+
+    weight = torch.randn(3, 64, 96, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    faked = FakeInt4(32)(weight)
+    for e in range(3):
+        q, scale = quantize_int4_groups(weight[e].detach(), 32)
+        assert torch.equal(faked[e].detach(), dequantize_int4(pack_int4(q), scale, 32, torch.float32))
+    assert not torch.equal(faked.detach(), weight.detach())
+    faked.sum().backward()
+    assert torch.equal(weight.grad, torch.ones_like(weight))
