@@ -27,6 +27,9 @@ from kserve.server.request_log import install_request_id_logging
 
 logger = logging.getLogger("kserve.server")
 ENGINE_DEATH_EXIT_S = 25.0  # after a tensor-parallel rank is lost, the process is gone within this long
+# Once the engine is dead, `kserve serve` answers 503 this long before it exits, so health probes and load
+# balancers see the 503 rather than only a refused connection.
+ENGINE_DEATH_503_S = 2.0
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -140,7 +143,7 @@ def serve(settings: ServerSettings) -> int:
     def stop_on_engine_death(message: str) -> None:
         # In-flight requests already got their 503; the graceful shutdown lets those streams close.
         failures.append(f"the engine is dead: {message}")
-        server.should_exit = True
+        asyncio.get_running_loop().call_later(ENGINE_DEATH_503_S, setattr, server, "should_exit", True)
 
     on_death = stop_on_engine_death if settings.exit_on_engine_death else None
     server = uvicorn.Server(_uvicorn_config(settings, None, stop_on_load_failure, on_death))
