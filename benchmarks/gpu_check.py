@@ -655,7 +655,7 @@ def speed_long_prefill(plan: Plan, limits: dict[str, float], budget: Budget) -> 
     batch = fb.ForwardBatch.contiguous([new], [ctx + new], block, device=plan.device, context_chunk_tokens=chunk)
     x = torch.randn(new, config.hidden_size, device=plan.device, generator=gen).to(dtype)
     positions = torch.arange(ctx, ctx + new, device=plan.device)
-    run = partial(layer, positions, x, batch, cache, rotary)
+    run = partial(layer, x, batch, cache, rotary.angles(positions, dtype))
     if plan.device == "cuda":
         sync(plan.device)
         torch.cuda.reset_peak_memory_stats()

@@ -39,9 +39,14 @@ def test_default_load_keeps_every_fp8_tensor_fp8(tiny_k2_dir):
     kept = 0
     for name in fp8_names:
         scale = ckpt[name + "_scale_inv"]
-        if ".kv_b_proj." in name:  # the documented exception: dequantized at load for the absorbed path
+        if ".kv_b_proj." in name:  # the documented exception: dequantized at load for the absorbed path,
+            # its rows regrouped (every head's key rows, then every head's value rows)
+            c = model.config
+            per_head = dequantize_blocks_torch(ckpt[name], scale).view(c.num_attention_heads, -1, c.kv_lora_rank)
+            keys, values = per_head.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
             assert params[name].dtype == torch.float32
-            assert torch.equal(params[name], dequantize_blocks_torch(ckpt[name], scale))
+            assert torch.equal(params[name], torch.cat([keys.reshape(-1, c.kv_lora_rank),
+                                                        values.reshape(-1, c.kv_lora_rank)]))
             continue
         parts = name.split(".")
         if "experts" in parts and parts[parts.index("experts") + 1].isdigit():

@@ -164,3 +164,33 @@ class RowParallelLinear(ShardedLinear):
         y = w8a8_block_matmul_quantized(x_q.to(FP8_DTYPE), scales, self.weight, self.weight_scale_inv, self.block,
                                         x.dtype, batch_invariant=self.batch_invariant)
         return y.view(*lead, self.weight.shape[0])
+
+
+class LatentUpProjection(ColumnParallelLinear):
+    """MLA's kv_b_proj: latent [T, C] -> this rank's heads' keys and values, stored K rows first.
+
+    The checkpoint interleaves the rows per head (each head's nope key rows, then its v_head value rows).
+    The loader regroups this rank's slice once into every head's key rows [H*nope, C] followed by every
+    head's value rows [H*v, C], so W_UK [H, nope, C] and W_UV [H, v, C] are plain contiguous views for the
+    absorbed decode's bmms (a strided per-head view made the CPU's bf16 bmm copy the weight on every call).
+    forward returns [T, H*nope + H*v]: all keys, then all values.
+    """
+
+    def __init__(self, kv_lora_rank: int, heads: int, qk_nope: int, v_head: int, parallel: ParallelState, **kw):
+        super().__init__(kv_lora_rank, heads * (qk_nope + v_head), parallel, **kw)
+        if self.quantized:
+            raise ValueError("kv_b_proj is kept dense (dequantized at load)")
+        self.local_heads = (self.out_end - self.out_start) // (qk_nope + v_head)
+        self.qk_nope, self.v_head = qk_nope, v_head
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        per_head = loaded.reshape(self.local_heads, self.qk_nope + self.v_head, loaded.shape[-1])
+        keys, values = per_head.split([self.qk_nope, self.v_head], dim=1)
+        super().weight_loader(param, torch.cat([keys.reshape(-1, loaded.shape[-1]), values.reshape(-1, loaded.shape[-1])]))
+
+    def absorption_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, C] and W_UV [H, v, C], contiguous views of the weight."""
+        keys = self.local_heads * self.qk_nope
+        latent = self.weight.shape[1]
+        return (self.weight[:keys].view(self.local_heads, self.qk_nope, latent),
+                self.weight[keys:].view(self.local_heads, self.v_head, latent))

@@ -7,6 +7,7 @@ do), not only beyond the original context length.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,13 +43,26 @@ class YarnRotaryEmbedding(nn.Module):
             else 1.0
         )
 
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAngles:
+        """cos and sin (mscale applied) of `positions` [T], in `dtype`: once per forward, for every layer."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
+        return RopeAngles((freqs.cos() * self.mscale).to(dtype), (freqs.sin() * self.mscale).to(dtype))
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate `x` [T, ..., dim] by the angles of `positions` [T]."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
-        cos = (freqs.cos() * self.mscale).to(x.dtype)
-        sin = (freqs.sin() * self.mscale).to(x.dtype)
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (self.dim // 2,)
-        cos, sin = cos.view(shape), sin.view(shape)
+        return self.angles(positions, x.dtype).rotate(x)
+
+
+@dataclass(frozen=True)
+class RopeAngles:
+    """cos and sin [T, dim/2] of one step's positions."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate `x` [T, ..., dim] (its interleaved pairs) by these angles."""
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (self.cos.shape[-1],)
+        cos, sin = self.cos.view(shape), self.sin.view(shape)
         x1, x2 = x[..., 0::2], x[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.flatten(-2)
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)

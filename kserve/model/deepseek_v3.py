@@ -13,7 +13,7 @@ from kserve.config import ModelConfig
 from kserve.distributed import ParallelState
 from kserve.kernels.mla_decode import mla_decode
 from kserve.layers.embedding import LMHead, VocabEmbedding
-from kserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from kserve.layers.linear import ColumnParallelLinear, LatentUpProjection, ReplicatedLinear, RowParallelLinear
 from kserve.layers.mla_attention import (
     as_cached,
     attention_with_lse,
@@ -27,7 +27,7 @@ from kserve.layers.mla_attention import (
 from kserve.layers.mlp import GatedMLP
 from kserve.layers.moe import DeepseekMoE
 from kserve.layers.norm import RMSNorm
-from kserve.layers.rotary import YarnRotaryEmbedding
+from kserve.layers.rotary import RopeAngles, YarnRotaryEmbedding
 from kserve.model.forward_batch import ForwardBatch
 
 # "quantized": FP8 and INT4 tensors stay as the checkpoint stores them; "dequantized": every weight in the
@@ -84,7 +84,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS, **kw)
         # Dequantized at load even from an FP8 checkpoint (as vLLM does): the absorbed decode path
         # needs W_UK / W_UV as dense matrices, and kv_b_proj is ~0.05% of K2's weights.
-        self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, heads * (self.qk_nope + self.v_head), parallel, **kw)
+        self.kv_b_proj = LatentUpProjection(config.kv_lora_rank, heads, self.qk_nope, self.v_head, parallel, **kw)
         self.o_proj = RowParallelLinear(heads * self.v_head, config.hidden_size, parallel, **lin)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,25 +95,23 @@ class MLAttention(nn.Module):
         return q.view(x.shape[0], self.num_heads, self.qk_nope + self.qk_rope)
 
     def _absorption_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, nope, C] and W_UV [H, v, C], views of kv_b_proj's weight."""
-        w = self.kv_b_proj.dense_weight().view(self.num_heads, self.qk_nope + self.v_head, self.kv_lora_rank)
-        return w[:, : self.qk_nope], w[:, self.qk_nope :]
+        """W_UK [H, nope, C] and W_UV [H, v, C], contiguous views of kv_b_proj's weight."""
+        return self.kv_b_proj.absorption_weights()
 
     def forward(
         self,
-        positions: torch.Tensor,
         x: torch.Tensor,
         batch: ForwardBatch,
         cache: torch.Tensor,
-        rotary: YarnRotaryEmbedding,
+        rope: RopeAngles,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = self._queries(x)
         q_nope, q_pe = q.split([self.qk_nope, self.qk_rope], dim=-1)
-        q_pe = rotary(positions, q_pe)
+        q_pe = rope.rotate(q_pe)
         kv = self.kv_a_proj_with_mqa(x)
         c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
-        k_pe = rotary(positions, kv[:, self.kv_lora_rank :])
+        k_pe = rope.rotate(kv[:, self.kv_lora_rank :])
         latents = torch.cat([c_kv, k_pe], dim=-1)
         write_latents(cache, batch.slot_mapping, latents, batch.kv_scale)
 
@@ -158,8 +156,10 @@ class MLAttention(nn.Module):
     def _decompress(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [S, C + R] -> keys [S, H, nope + rope] and values [S, H, v_head] through kv_b_proj."""
         c_kv, k_pe = latents[:, : self.kv_lora_rank], latents[:, self.kv_lora_rank :]
-        kv = self.kv_b_proj(c_kv).view(latents.shape[0], self.num_heads, self.qk_nope + self.v_head)
-        k_nope, v = kv.split([self.qk_nope, self.v_head], dim=-1)
+        kv = self.kv_b_proj(c_kv)  # every head's keys, then every head's values
+        keys = self.num_heads * self.qk_nope
+        k_nope = kv[:, :keys].view(latents.shape[0], self.num_heads, self.qk_nope)
+        v = kv[:, keys:].view(latents.shape[0], self.num_heads, self.v_head)
         return torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1), v
 
     def _naive(self, q_nope, q_pe, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
@@ -240,8 +240,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
-    def forward(self, positions, hidden, batch, cache, rotary) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), batch, cache, rotary)
+    def forward(self, hidden, batch, cache, rope: RopeAngles) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, cache, rope)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -275,10 +275,11 @@ class DeepseekV3Model(nn.Module):
             rows, embeds = images
             hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
         aux = []
+        rope = self.rotary_emb.angles(batch.positions, hidden.dtype)  # every layer rotates by the same angles
         for index, (layer, cache) in enumerate(zip(self.layers, kv_cache)):
             if index in aux_layers:  # the residual stream entering this layer (EAGLE-3's auxiliary states)
                 aux.extend([hidden] * aux_layers.count(index))
-            hidden = layer(batch.positions, hidden, batch, cache, self.rotary_emb)
+            hidden = layer(hidden, batch, cache, rope)
         if not aux_layers:
             return self.norm(hidden)
         by_layer = dict(zip(sorted(aux_layers), aux))
