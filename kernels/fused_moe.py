@@ -84,6 +84,7 @@ import torch.nn.functional as F
 
 from kserve.kernels import batch_invariant
 from kserve.kernels.batch_invariant import sum_fixed_order as batch_invariant_sum
+from kserve.kernels.dense_gemm import widens
 from kserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, num_groups, quantize_per_token_group_torch
 from kserve.kernels.triton_support import triton_runs
 
@@ -297,8 +298,9 @@ def fused_moe_torch(
     shape = check_fused_moe_args(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)
     block = (int(block[0]), int(block[1]))
     quantized = w13_scale is not None
-    # FP8: GEMMs run in fp32 on the dequantized values (fp32 accumulation, like the kernel).
-    compute_dtype = torch.float32 if quantized else x.dtype
+    # FP8: GEMMs run in fp32 on the dequantized values (fp32 accumulation, like the kernel); dense 16-bit
+    # experts too on a CPU without 16-bit matmul instructions (kserve.kernels.dense_gemm).
+    compute_dtype = torch.float32 if quantized or widens(x, x.shape[0]) else x.dtype
     fits = _grouped_mm_fits(shape, compute_dtype, x.device)
     if strategy is None:
         strategy = "gather" if not fits or _use_gather_strategy(shape, quantized) else "grouped"

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kserve.distributed import ParallelState
+from kserve.kernels import dense_gemm
 from kserve.kernels.batch_invariant import linear_rows
 from kserve.layers.weight_loading import copy_checked
 
@@ -56,7 +57,7 @@ class LMHead(_VocabShard):
         if self.batch_invariant:
             logits = linear_rows(hidden, self.weight).float()
         else:
-            logits = F.linear(hidden, self.weight).float()
+            logits = dense_gemm.linear(hidden, self.weight).float()
         if not self.parallel.is_parallel:
             return logits
         return self.parallel.all_gather_last_dim(logits)[:, : self.vocab_size]

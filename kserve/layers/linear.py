@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kserve.distributed import ParallelState
+from kserve.kernels import dense_gemm
 from kserve.kernels.batch_invariant import all_reduce_fixed_order, linear_rows
 from kserve.kernels.fp8_dequant import dequantize_blocks, scale_shape
 from kserve.kernels.fp8_gemm import (
@@ -104,7 +105,7 @@ class ShardedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.quantized:
-            return linear_rows(x, self.weight) if self.batch_invariant else F.linear(x, self.weight)
+            return linear_rows(x, self.weight) if self.batch_invariant else dense_gemm.linear(x, self.weight)
         if self.pad_in:
             x = F.pad(x, (self.pad_in, 0))
         y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block, batch_invariant=self.batch_invariant)

@@ -11,6 +11,7 @@ from torch import nn
 
 from kserve.config import ModelConfig
 from kserve.distributed import ParallelState
+from kserve.kernels import dense_gemm
 from kserve.kernels.mla_decode import mla_decode
 from kserve.layers.embedding import LMHead, VocabEmbedding
 from kserve.layers.linear import ColumnParallelLinear, LatentUpProjection, ReplicatedLinear, RowParallelLinear
@@ -141,7 +142,7 @@ class MLAttention(nn.Module):
             return absorbed_attention_batch_invariant(
                 q_nope, q_pe, w_uk, w_uv, cache, tables, lens, self.scale, batch.kv_scale
             )
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [D, H, C]
+        q_lat = dense_gemm.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [D, H, C]
         if dcp is None:
             o_lat = mla_decode(q_lat, q_pe, cache, tables, lens, self.scale, batch.kv_scale)
         else:  # the group's heads over this rank's tokens, then an exact merge across the group
@@ -151,7 +152,7 @@ class MLAttention(nn.Module):
                 self.scale, batch.kv_scale, return_lse=True,
             )
             o_lat = merge_context_parallel(o_lat, lse, dcp)
-        return torch.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return dense_gemm.bmm(o_lat.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _decompress(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [S, C + R] -> keys [S, H, nope + rope] and values [S, H, v_head] through kv_b_proj."""
