@@ -4,9 +4,10 @@ Each stage's time is exclusive (a stage inside another is not counted twice), su
 of one batch and divided by their number. The stages are the engine's own functions, timed by wrapping them:
 scheduler (schedule, finish_step, remove_finished), batch build (runner.prepare), per layer the attention
 projections and cache write, the absorbed W_UK / W_UV bmms, the MLA decode kernel, the fused MoE (routed experts),
-the router and the dense MLPs (layer 0, shared experts), the LM head, the sampler, and the detokenizer/output.
+the router, the shared expert and the dense MLP (layer 0), then the LM head, the sampler, and the
+detokenizer/output. Summed over layers unless `--per-layer`.
 
-    python benchmarks/profile_step.py [--dtype bfloat16] [--batches 1,64] [--threads 1] [--steps 32]
+    python benchmarks/profile_step.py [--dtype bfloat16] [--batches 1,64] [--threads 1] [--steps 32] [--per-layer]
 """
 
 from __future__ import annotations
@@ -32,12 +33,15 @@ class StageClock:
         self.totals: dict[str, float] = defaultdict(float)
         self._stack: list[list] = []  # [label, start, child seconds]
 
-    def wrap(self, owner: object, name: str, label: str) -> None:
+    def wrap(self, owner: object, name: str, label: str | Callable[[str], str]) -> None:
+        """Time `owner.name` (an instance's method or a module's function) as `label`, or as
+        `label(enclosing label)` for a function shared by several stages."""
         inner: Callable = getattr(owner, name)
         clock = self
 
         def timed(*args, **kwargs):
-            clock._stack.append([label, time.perf_counter(), 0.0])
+            enclosing = clock._stack[-1][0] if clock._stack else ""
+            clock._stack.append([label(enclosing) if callable(label) else label, time.perf_counter(), 0.0])
             try:
                 return inner(*args, **kwargs)
             finally:
@@ -50,24 +54,60 @@ class StageClock:
         setattr(owner, name, timed)
 
 
-def instrument(engine, clock: StageClock) -> None:
-    import kserve.model.deepseek_v3 as model_mod
-    from kserve.layers import embedding, mlp, moe
+ATTENTION = "attention: projections, rope, cache write"
+ABSORBED = "attention: absorbed W_UK / W_UV bmms"
 
-    clock.wrap(engine, "step", "engine (rest of step)")
+
+def instrument(engine, clock: StageClock) -> Callable[[], None]:
+    """Wrap the engine's stages (per layer: `layer N: stage`); returns a function that unwraps them all."""
+    import kserve.model.deepseek_v3 as model_mod
+
+    wrapped: list[tuple[object, str, object]] = []
+
+    def wrap(owner: object, name: str, label) -> None:
+        wrapped.append((owner, name, owner.__dict__.get(name)))
+        clock.wrap(owner, name, label)
+
+    wrap(engine, "step", "engine (rest of step)")
     for name in ("schedule", "finish_step", "remove_finished"):
-        clock.wrap(engine.scheduler, name, "scheduler")
-    clock.wrap(engine.runner, "prepare", "batch build")
-    clock.wrap(engine.runner, "execute", "model (rest: embedding, norms, residuals)")
-    clock.wrap(engine, "_sample", "sampler")
-    clock.wrap(engine.output_processor, "append_token", "detokenizer and output")
-    clock.wrap(model_mod.MLAttention, "forward", "attention: projections, rope, cache write")
-    clock.wrap(model_mod.MLAttention, "_absorbed", "attention: absorbed W_UK / W_UV bmms")
-    clock.wrap(model_mod, "mla_decode", "attention: MLA decode")
-    clock.wrap(moe.RoutedExperts, "forward", "MoE: fused routed experts")
-    clock.wrap(moe.NoAuxRouter, "forward", "MoE: router")
-    clock.wrap(mlp.GatedMLP, "forward", "dense MLP (layer 0, shared experts)")
-    clock.wrap(embedding.LMHead, "forward", "LM head")
+        wrap(engine.scheduler, name, "scheduler")
+    wrap(engine.runner, "prepare", "batch build")
+    wrap(engine.runner, "execute", "model (rest: embedding, norms, residuals)")
+    wrap(engine, "_sample", "sampler")
+    wrap(engine.output_processor, "append_token", "detokenizer and output")
+    model = engine.runner.model
+    for index, layer in enumerate(model.model.layers):
+        prefix = f"layer {index}: "
+        wrap(layer.self_attn, "forward", prefix + ATTENTION)
+        wrap(layer.self_attn, "_absorbed", prefix + ABSORBED)
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):
+            wrap(mlp.experts, "forward", prefix + "MoE: fused routed experts (grouped)")
+            wrap(mlp.gate, "forward", prefix + "MoE: router")
+            if mlp.shared_experts is not None:
+                wrap(mlp.shared_experts, "forward", prefix + "MoE: shared expert")
+        else:
+            wrap(mlp, "forward", prefix + "dense MLP")
+    # the decode kernel is a module-level function: it belongs to the layer whose absorbed stage calls it
+    wrap(model_mod, "mla_decode", lambda enclosing: enclosing.split(": ", 1)[0] + ": attention: MLA decode")
+    wrap(model.lm_head, "forward", "LM head")
+
+    def unwrap() -> None:
+        for owner, name, original in reversed(wrapped):
+            if original is None:
+                delattr(owner, name)  # the class's method shows through again
+            else:
+                setattr(owner, name, original)
+
+    return unwrap
+
+
+def by_stage(totals: dict[str, float]) -> dict[str, float]:
+    """Per-layer labels summed over the layers."""
+    out: dict[str, float] = defaultdict(float)
+    for label, seconds in totals.items():
+        out[label.split(": ", 1)[1] if label.startswith("layer ") else label] += seconds
+    return dict(out)
 
 
 def profile_batch(model_dir: Path, dtype: str, batch: int, steps: int, prompt_len: int) -> tuple[dict, float]:
@@ -91,9 +131,10 @@ def profile_batch(model_dir: Path, dtype: str, batch: int, steps: int, prompt_le
         engine.step()
     plain = (time.perf_counter() - start) / steps
     clock = StageClock()
-    instrument(engine, clock)
+    unwrap = instrument(engine, clock)
     for _ in range(steps):
         engine.step()
+    unwrap()
     totals = dict(clock.totals)
     while engine.has_unfinished():
         engine.step()
@@ -109,6 +150,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--per-layer", action="store_true", help="one row per layer and stage")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="kserve-profile-") as tmp:
@@ -119,7 +161,8 @@ def main() -> None:
             step_ms = sum(totals.values()) / steps * 1000
             print(f"{args.dtype}, batch {batch}: {plain * 1000:.2f} ms per decode step uninstrumented, {step_ms:.2f} ms "
                   f"instrumented ({steps} steps each, {args.threads} threads, {args.layers} layers)")
-            for label, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
+            rows = totals if args.per_layer else by_stage(totals)
+            for label, seconds in sorted(rows.items(), key=lambda kv: -kv[1]):
                 ms = seconds / steps * 1000
                 print(f"  {label:<46} {ms:8.3f} ms {ms / step_ms:6.1%}")
             print()
