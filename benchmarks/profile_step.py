@@ -164,7 +164,7 @@ def main() -> None:
             rows = totals if args.per_layer else by_stage(totals)
             for label, seconds in sorted(rows.items(), key=lambda kv: -kv[1]):
                 ms = seconds / steps * 1000
-                print(f"  {label:<46} {ms:8.3f} ms {ms / step_ms:6.1%}")
+                print(f"  {label:<56} {ms:8.3f} ms {ms / step_ms:6.1%}")
             print()
 
 
