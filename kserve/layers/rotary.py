@@ -48,10 +48,6 @@ class YarnRotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
         return RopeAngles((freqs.cos() * self.mscale).to(dtype), (freqs.sin() * self.mscale).to(dtype))
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate `x` [T, ..., dim] by the angles of `positions` [T]."""
-        return self.angles(positions, x.dtype).rotate(x)
-
 
 @dataclass(frozen=True)
 class RopeAngles:

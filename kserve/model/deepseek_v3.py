@@ -95,10 +95,6 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return q.view(x.shape[0], self.num_heads, self.qk_nope + self.qk_rope)
 
-    def _absorption_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, nope, C] and W_UV [H, v, C], contiguous views of kv_b_proj's weight."""
-        return self.kv_b_proj.absorption_weights()
-
     def forward(
         self,
         x: torch.Tensor,
@@ -133,7 +129,7 @@ class MLAttention(nn.Module):
     def _absorbed(self, q_nope, q_pe, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
         """All decode sequences at once, through the paged decode kernel: [D, H, v_head]."""
         num_decode = q_nope.shape[0]
-        w_uk, w_uv = self._absorption_weights()
+        w_uk, w_uv = self.kv_b_proj.absorption_weights()
         tables, lens = batch.block_tables[:num_decode], batch.context_lens[:num_decode]
         dcp = batch.context_parallel
         if self.batch_invariant and dcp is None:
@@ -170,7 +166,7 @@ class MLAttention(nn.Module):
         if self.batch_invariant and batch.context_parallel is None:
             from kserve.layers.mla_attention import absorbed_attention_batch_invariant, prefill_rows
 
-            w_uk, w_uv = self._absorption_weights()
+            w_uk, w_uv = self.kv_b_proj.absorption_weights()
             row_table, row_context = prefill_rows(prefill.query_lens, prefill.context_lens)
             lens = torch.tensor(row_context, dtype=torch.int32).to(q_nope.device, non_blocking=True)
             return absorbed_attention_batch_invariant(
