@@ -10,7 +10,10 @@ sends `chat_template_kwargs: {"thinking": false}`). Reported:
 - tool_call_rate: share of tool requests answered with finish_reason tool_calls naming the expected tools;
 - exact_args_rate: share of tool requests whose calls also carry exactly the expected arguments;
 - plain_stop_rate: share of plain chats answered with text ending in `stop` within 64 tokens (reasoning
-  included).
+  included); plain_exact_rate: of those, the share whose text is exactly the expected answer.
+
+`--echo N` also sends N training-style requests to repeat random words (gen_tool_data.py's echo requests)
+and reports echo_copy_rate, the share answered with exactly those words: a direct probe of copying.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gen_tool_data import generate
 
 
-def score(client: Any, model: str, rows: list[dict[str, Any]], thinking: bool | None = None) -> dict[str, Any]:
+def score(client: Any, model: str, rows: list[dict[str, Any]], thinking: bool | None = None,
+          text_max_tokens: int = 64) -> dict[str, Any]:
     tool_rows = [r for r in rows if r["expect"]["kind"] == "tool_calls"]
     plain_rows = [r for r in rows if r["expect"]["kind"] == "text"]
-    right_tool = exact = plain_stop = 0
+    right_tool = exact = plain_stop = plain_exact = 0
     failures: list[dict[str, Any]] = []
     for row in rows:
         prompt = row["messages"][: row["eval_turn"]]
@@ -37,11 +41,12 @@ def score(client: Any, model: str, rows: list[dict[str, Any]], thinking: bool | 
         if thinking is not None:
             kwargs["extra_body"] = {"chat_template_kwargs": {"thinking": thinking}}
         resp = client.chat.completions.create(model=model, messages=prompt, temperature=0.0,
-                                              max_tokens=64 if row["expect"]["kind"] == "text" else 256, **kwargs)
+                                              max_tokens=text_max_tokens if row["expect"]["kind"] == "text" else 256, **kwargs)
         choice = resp.choices[0]
         if row["expect"]["kind"] == "text":
             ok = choice.finish_reason == "stop" and not choice.message.tool_calls
             plain_stop += ok
+            plain_exact += ok and (choice.message.content or "").strip() == row["expect"]["content"]
         else:
             calls = choice.message.tool_calls or []
             want = row["expect"]["calls"]
@@ -66,6 +71,7 @@ def score(client: Any, model: str, rows: list[dict[str, Any]], thinking: bool | 
         "tool_call_rate": right_tool / max(1, len(tool_rows)),
         "exact_args_rate": exact / max(1, len(tool_rows)),
         "plain_stop_rate": plain_stop / max(1, len(plain_rows)),
+        "plain_exact_rate": plain_exact / max(1, len(plain_rows)),
         "failures": failures,
     }
 
@@ -80,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", default=None, help="a running server's base URL (loopback)")
     p.add_argument("--thinking", choices=["default", "on", "off"], default="default",
                    help="the chat template's thinking switch (default: the model's own default)")
+    p.add_argument("--echo", type=int, default=0, help="also probe copying with this many echo requests")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
 
@@ -96,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
-        result = score(client, model, rows, {"default": None, "on": True, "off": False}[args.thinking])
+        thinking = {"default": None, "on": True, "off": False}[args.thinking]
+        result = score(client, model, rows, thinking)
+        if args.echo:
+            echoes = generate(args.seed, args.echo, "train", echo_share=1.0)
+            result["echo_copy_rate"] = score(client, model, echoes, thinking, text_max_tokens=160)["plain_exact_rate"]
     finally:
         if server is not None:
             server.stop()

@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tool_data_pool import SYSTEM_PROMPTS, Phrasing, Tool, build_tools, phrasing
+from tool_data_pool import ECHO_WRAPPERS_TRAIN, SYSTEM_PROMPTS, Phrasing, Tool, build_tools, echo_vocabulary, phrasing
 
 from kserve.chat import render_prompt
 
@@ -173,6 +173,24 @@ def plain_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, th
             "eval_turn": len(messages) - 1}
 
 
+def echo_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thinking: bool,
+                      agent: bool) -> dict[str, Any]:
+    """A request to repeat random words and numbers (training only): the thought quotes the request and the
+    answer copies the words, which no pool predicts."""
+    vocabulary = echo_vocabulary()
+    words = [str(rng.randint(0, 9999)) if rng.random() < 0.15 else rng.choice(vocabulary)
+             for _ in range(rng.randint(2, 8))]
+    text = " ".join(words)
+    opener = rng.choice(style.openers)
+    ask = rng.choice(ECHO_WRAPPERS_TRAIN).format(text=text)
+    ask = f"{opener} {ask}" if opener else ask
+    messages = _prefix(rng, style, agent) + [{"role": "user", "content": ask},
+                                             _assistant(_plain_reasoning(ask), text, thinking)]
+    tools = [t.schema() for t in rng.sample(pool, rng.randint(1, 4))] if rng.random() < 0.5 else []
+    return {"messages": messages, "tools": tools, "expect": {"kind": "text", "content": text},
+            "eval_turn": len(messages) - 1}
+
+
 def _render(messages: list[dict[str, Any]], tools: list[dict[str, Any]], generation: bool, thinking: bool,
             preserve: bool = False) -> str:
     return render_prompt(messages, tools or None, add_generation_prompt=generation, dialect=DIALECT,
@@ -208,13 +226,19 @@ def assistant_spans(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
 
 
 def generate(seed: int, count: int, split: str = "train", plain_share: float = 0.3, thinking_share: float = 0.85,
-             agent_share: float = 0.2) -> list[dict]:
+             agent_share: float = 0.2, echo_share: float = 0.0) -> list[dict]:
+    """`echo_share` of the conversations (training only) are echo requests; the rest split as before."""
+    if echo_share and split != "train":
+        raise ValueError("echo requests are for training only")
     rng = random.Random(f"{split}:{seed}")
     pool = build_tools()
     style = phrasing(split)
     out = []
     for _ in range(count):
-        make = plain_conversation if rng.random() < plain_share else tool_conversation
+        if echo_share and rng.random() < echo_share:
+            make = echo_conversation
+        else:
+            make = plain_conversation if rng.random() < plain_share else tool_conversation
         thinking = rng.random() < thinking_share
         convo = make(rng, pool, style, thinking, agent=rng.random() < agent_share)
         convo["thinking"] = thinking

@@ -556,6 +556,24 @@ PLAIN_CHATS_HELDOUT = (
 )
 
 
+# Echo requests (training only): a random run of words to repeat, so the model must learn to copy from the
+# user's message rather than predict a value from the pools.
+ECHO_WRAPPERS_TRAIN = ("Repeat after me: {text}", "Say exactly this: {text}", "Please echo back: {text}",
+                       "Copy this text: {text}", "Repeat \"{text}\" back to me.", "Echo this: {text}",
+                       "Write out: {text}", "Can you repeat {text}?")
+
+
+def echo_vocabulary() -> tuple[str, ...]:
+    """Words to repeat: make-tiny's corpus and every value pool, as whole words."""
+    import re
+
+    from kserve.tiny import TRAINING_CORPUS
+
+    pools = CITIES + NAMES + TOPICS + WORDS + LANGS + SYMBOLS + FOODS + TEAMS + SONGS + COLORS + MONTHS
+    text = TRAINING_CORPUS + " " + " ".join(pools)
+    return tuple(sorted(set(re.findall(r"\b[A-Za-z][a-z]{1,11}\b", text))))
+
+
 @dataclass
 class Phrasing:
     wrappers: tuple[str, ...]

@@ -281,7 +281,7 @@ def train(args: argparse.Namespace) -> Path:
     random.seed(args.seed)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    convos = generate(args.seed, args.conversations, "train")
+    convos = generate(args.seed, args.conversations, "train", echo_share=args.echo_share)
     ranks = learn_corpus_ranks(convos[: args.bpe_conversations], args.vocab)
     # make-tiny writes the tokenizer files, config and vision tower; the text weights are then replaced
     write_tiny_checkpoint(out, seed=args.seed, variant="k25", config_overrides=TEXT_OVERRIDES, ranks=ranks)
@@ -387,7 +387,8 @@ def _plot(log: list[dict[str, float]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The recipe's arguments; their defaults are the embedded model's."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
@@ -397,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-len", type=int, default=1024, help="longer conversations are cut")
     p.add_argument("--vocab", type=int, default=4096, help="BPE tokens learned from the conversations")
     p.add_argument("--bpe-conversations", type=int, default=3000)
+    p.add_argument("--echo-share", type=float, default=0.0,
+                   help="share of conversations asking to repeat random words, a copying probe (docs/embedded_model.md)")
     p.add_argument("--context-weight", type=float, default=0.3,
                    help="loss weight of the non-assistant tokens (the assistant's are 1)")
     p.add_argument("--arguments-weight", type=float, default=3.0,
@@ -418,7 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop after this many steps (the learning-rate schedule still spans --steps)")
     p.add_argument("--time-limit", type=float, default=0.0, help="stop after this many seconds (0: none)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     print(train(args))
     return 0
 

@@ -20,6 +20,7 @@ from tool_data_pool import (
     AGENT_RULES_TRAIN,
     CLOSERS_HELDOUT,
     CLOSERS_TRAIN,
+    ECHO_WRAPPERS_TRAIN,
     OPENERS_HELDOUT,
     OPENERS_TRAIN,
     PLAIN_CHATS,
@@ -30,7 +31,9 @@ from tool_data_pool import (
     WRAPPERS_TRAIN,
     build_tools,
 )
-from train_tiny_chat import FakeInt4, encode_conversation, learn_corpus_ranks
+from train_tiny_chat import FakeInt4, encode_conversation, learn_corpus_ranks, parser
+
+RECIPE = parser().parse_args(["--out", "unused"])  # the embedded model's training arguments
 
 from kserve.chat import parse_tool_output, render_prompt
 
@@ -66,7 +69,7 @@ def test_no_heldout_request_or_agent_prompt_appears_in_the_training_data():
     """The evaluation's conversations (seed 1) against the start of the shipped model's training data (seed 0):
     no user message and no agent system prompt in common, and every held-out tool request uses a held-out
     wrapper or joiner."""
-    train = generate(0, 4000)
+    train = generate(0, 4000, echo_share=RECIPE.echo_share)
     heldout = generate(1, 400, "heldout")
 
     def said(rows, role):
@@ -80,6 +83,28 @@ def test_no_heldout_request_or_agent_prompt_appears_in_the_training_data():
         if row["expect"]["kind"] == "tool_calls":
             request = row["messages"][row["eval_turn"] - 1]["content"]
             assert any(shape in request for shape in heldout_shapes) or " as well as " in request, request
+
+
+def test_echo_requests_quote_random_words_that_the_answer_copies():
+    """The training-only echo requests: the answer is the words the request asks to repeat, the thought quotes
+    the request, no tool is called; the held-out split has none, and without them the data is as before."""
+    rows = generate(0, 400, echo_share=0.25)
+    shapes = [w.split("{text}") for w in ECHO_WRAPPERS_TRAIN]
+
+    def echoed(row):
+        answer = row["messages"][-1]["content"]
+        return any(f"{before}{answer}{after}" in row["messages"][-2]["content"] for before, after in shapes)
+
+    echo = [r for r in rows if r["expect"]["kind"] == "text" and echoed(r)]
+    assert 60 <= len(echo) <= 140
+    assert len({r["messages"][-1]["content"] for r in echo}) == len(echo)  # random words, never a fixed set
+    for row in echo:
+        assert "tool_calls" not in row["messages"][-1]
+        if row["thinking"]:
+            assert f'"{row["messages"][-2]["content"]}"' in row["messages"][-1]["reasoning_content"]
+    assert not any(echoed(r) for r in generate(0, 400) if r["expect"]["kind"] == "text")
+    with pytest.raises(ValueError):
+        generate(1, 10, "heldout", echo_share=0.1)
 
 
 def test_every_answer_and_call_starts_with_one_reasoning_sentence_unless_thinking_is_off():
@@ -166,10 +191,11 @@ def test_calls_are_schema_valid_and_render_as_k26_parses_them(split):
 
 def test_the_embedded_models_tokenizer_is_learned_from_these_conversations():
     """The shipped tiktoken.model is the project's own output, rebuilt here byte for byte: the BPE that
-    train_tiny_chat.py learns from the first 3,000 training conversations (seed 0), not K2's file."""
+    train_tiny_chat.py's defaults learn from the first training conversations (seed 0), not K2's file."""
     from kserve.tiny import embedded_model_dir, tiktoken_model_text
 
-    ranks = learn_corpus_ranks(generate(0, 3000), 4096)
+    convos = generate(RECIPE.seed, RECIPE.bpe_conversations, echo_share=RECIPE.echo_share)
+    ranks = learn_corpus_ranks(convos, RECIPE.vocab)
     assert (embedded_model_dir() / "tiktoken.model").read_text() == tiktoken_model_text(ranks)
 
 
