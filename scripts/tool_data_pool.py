@@ -8,7 +8,9 @@ so the evaluation can ask in ways the model never saw.
 
 from __future__ import annotations
 
+import functools
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -563,10 +565,9 @@ ECHO_WRAPPERS_TRAIN = ("Repeat after me: {text}", "Say exactly this: {text}", "P
                        "Write out: {text}", "Can you repeat {text}?")
 
 
+@functools.cache
 def echo_vocabulary() -> tuple[str, ...]:
-    """Words to repeat: make-tiny's corpus and every value pool, as whole words."""
-    import re
-
+    """Words to repeat: make-tiny's corpus and every value pool, as whole words (built once)."""
     from kserve.tiny import TRAINING_CORPUS
 
     pools = CITIES + NAMES + TOPICS + WORDS + LANGS + SYMBOLS + FOODS + TEAMS + SONGS + COLORS + MONTHS
