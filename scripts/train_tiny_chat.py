@@ -304,6 +304,8 @@ def train(args: argparse.Namespace) -> Path:
         model = build_hf_reference(args.init_from).float().train()
     else:
         model = DeepseekV3ForCausalLM(hf_config(out)).float().train()
+        if args.tied_init:  # the checkpoint stays untied; only the starting point is shared
+            model.lm_head.weight.data.copy_(model.model.embed_tokens.weight.data)
     faked = fake_quantize_experts(model, INT4_GROUP) if args.int4_qat else []
     bf16 = args.matmul_dtype == "bf16" or args.matmul_dtype == "auto" and cpu_has_native_bf16()
     print(f"matmuls in {'bf16' if bf16 else 'fp32'}")
@@ -413,6 +415,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shuffle-seed", type=int, default=None, help="batch order (default: --seed)")
     p.add_argument("--init-from", default=None, help="start from this checkpoint's weights")
     p.add_argument("--export-every", type=float, default=0.0, help="also write the weights every this many seconds")
+    p.add_argument("--tied-init", action="store_true",
+                   help="start the output embedding equal to the input one (an experiment; it did not help: "
+                        "docs/embedded_model.md)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
