@@ -31,7 +31,8 @@ def copy_batch(batch: int, span: int, alphabet: int, first: int, separator: int,
     for _ in range(batch):
         before, between = (torch.randint(0, gap + 1, (2,)).tolist() if gap else (0, 0))
         s = tokens(span)
-        row = torch.cat([tokens(before), s, torch.tensor([separator]), tokens(between), s, tokens(2 * gap - before - between)])
+        after = 2 * gap - before - between
+        row = torch.cat([tokens(before), s, torch.tensor([separator]), tokens(between), s, tokens(after)])
         mask = torch.zeros(len(row), dtype=torch.bool)
         copy_start = before + span + 1 + between
         mask[copy_start + (1 if gap else 0): copy_start + span] = True

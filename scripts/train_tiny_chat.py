@@ -416,7 +416,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", default=None, help="start from this checkpoint's weights")
     p.add_argument("--export-every", type=float, default=0.0, help="also write the weights every this many seconds")
     p.add_argument("--tied-init", action="store_true",
-                   help="start the output embedding equal to the input one (an experiment; it did not help: "
+                   help="a fresh run starts the output embedding equal to the input one (an experiment; it did not help: "
                         "docs/embedded_model.md)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
