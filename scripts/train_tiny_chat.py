@@ -128,7 +128,9 @@ def export_checkpoint_tensors(model: torch.nn.Module, cfg: dict[str, Any]) -> di
     from kserve.model.weights_layout import BF16, INT4, checkpoint_tensors
 
     config = ModelConfig.from_dict(cfg)
-    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    # mid-run (--export-every) the routed experts are still parametrized: their unrounded weights are `.original`
+    state = {re.sub(r"parametrizations\.(\w+)\.original$", r"\1", k): v.detach().float()
+             for k, v in model.state_dict().items()}
     inter = config.moe_intermediate_size
 
     def dense(name: str) -> torch.Tensor:
