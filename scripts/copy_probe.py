@@ -2,6 +2,7 @@
 the same span again, and prints the accuracy of the copied half (docs/embedded_model.md). With --gap, random
 filler of random length comes before the span and between the two, so the copy is at no fixed offset: the model
 must find where the token it just read appeared before and continue from there (an induction head).
+--induction-init starts from one planted by scripts/induction_init.py.
 
     python scripts/copy_probe.py [--alphabet 3000] [--steps 300] [--qk-clip 15] [--tied-init] [--gap 64]
 """
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smear", action="store_true",
                    help="diagnostic, not DeepSeek-V3: add each token's embedding to the next one's through a learned "
                         "gate, so no head has to learn to look one back")
+    p.add_argument("--induction-init", action="store_true", help="start with a planted induction circuit")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
 
@@ -67,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     model = DeepseekV3ForCausalLM(hf_config(embedded_model_dir())).float().train()
     if args.tied_init:
         model.lm_head.weight.data.copy_(model.model.embed_tokens.weight.data)
+    if args.induction_init:
+        from induction_init import plant_induction_circuit
+
+        plant_induction_circuit(model)
     if args.smear:
         gate = torch.nn.Parameter(torch.zeros(()))
         model.register_parameter("smear_gate", gate)

@@ -308,6 +308,10 @@ def train(args: argparse.Namespace) -> Path:
         model = DeepseekV3ForCausalLM(hf_config(out)).float().train()
         if args.tied_init:  # the checkpoint stays untied; only the starting point is shared
             model.lm_head.weight.data.copy_(model.model.embed_tokens.weight.data)
+        if args.induction_init:
+            from induction_init import plant_induction_circuit
+
+            plant_induction_circuit(model, seed=args.seed, token_bytes=ranks)
     faked = fake_quantize_experts(model, INT4_GROUP) if args.int4_qat else []
     bf16 = args.matmul_dtype == "bf16" or args.matmul_dtype == "auto" and cpu_has_native_bf16()
     print(f"matmuls in {'bf16' if bf16 else 'fp32'}")
@@ -420,6 +424,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tied-init", action="store_true",
                    help="a fresh run starts the output embedding equal to the input one (an experiment; it did not help: "
                         "docs/embedded_model.md)")
+    p.add_argument("--induction-init", action="store_true",
+                   help="a fresh run starts with a planted induction circuit (scripts/induction_init.py)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
