@@ -2,9 +2,8 @@
 
     python scripts/train_tiny_chat.py --out DIR [--seed 0] [--stop-at N] [--init-from DIR]
 
-transformers' DeepseekV3ForCausalLM on the CPU (make-tiny's K2.6 geometry with 4 heads) started from a
-planted induction circuit (induction_init.py), AdamW, K2's QK-Clip, routed experts through INT4 fake
-quantization; loss weighted toward each assistant turn's reasoning sentence, tool names and arguments.
+transformers' DeepseekV3ForCausalLM on the CPU (make-tiny's K2.6 geometry with 4 heads), AdamW, K2's QK-Clip,
+routed experts through INT4 fake quantization; loss weighted toward each assistant turn's reasoning sentence, tool names and arguments.
 Written as `kimi_k25` + INT4 experts + K2.6 tokenizer files, with `loss.png` and `train_log.json`. The
 defaults are the embedded model's recipe (README, "The embedded model"); same arguments, same data, tokenizer
 and batch order.
@@ -425,9 +424,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tied-init", action="store_true",
                    help="a fresh run starts the output embedding equal to the input one (an experiment; it did not help: "
                         "docs/embedded_model.md)")
-    p.add_argument("--induction-init", action=argparse.BooleanOptionalAction, default=True,
-                   help="a fresh run starts with a planted induction circuit (scripts/induction_init.py; without it "
-                        "the model never learns to copy: docs/embedded_model.md)")
+    p.add_argument("--induction-init", action="store_true",
+                   help="a fresh run starts with a planted induction circuit (scripts/induction_init.py): it copies, "
+                        "but loops; not yet the recipe (docs/embedded_model.md)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
