@@ -2,11 +2,11 @@
 
     python scripts/train_tiny_chat.py --out DIR [--seed 0] [--stop-at N] [--init-from DIR]
 
-transformers' DeepseekV3ForCausalLM on the CPU (make-tiny's K2.6 geometry with 4 heads), AdamW, K2's QK-Clip,
-routed experts through INT4 fake quantization; loss weighted toward each assistant turn's reasoning sentence, tool names and arguments.
-Written as `kimi_k25` + INT4 experts + K2.6 tokenizer files, with `loss.png` and `train_log.json`. The
-defaults are the embedded model's recipe (README, "The embedded model"); same arguments, same data, tokenizer
-and batch order.
+transformers' DeepseekV3ForCausalLM on the CPU (make-tiny's K2.6 geometry with 4 heads), AdamW, K2's
+QK-Clip, routed experts through INT4 fake quantization; loss weighted toward each assistant turn's
+reasoning sentence, tool names and arguments. Written as `kimi_k25` + INT4 experts + K2.6 tokenizer files,
+with `loss.png` and `train_log.json`. The defaults are the embedded model's recipe (README, "The embedded
+model"); same arguments, same data, tokenizer and batch order.
 """
 
 from __future__ import annotations
