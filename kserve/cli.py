@@ -63,6 +63,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "supervisor restarts it; with --no-exit-on-engine-death it stays up answering 503")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds that requests in flight may take to finish before they are cut")
+    p.add_argument("--keep-alive-timeout", type=float, default=75.0,
+                   help="seconds an idle HTTP connection stays open; above the clients' own pool expiry (httpx: 5), "
+                        "so a client never reuses a connection the server is closing")
     p.add_argument("--responses-store-size", type=int, default=1000,
                    help="finished /v1/responses kept in memory for previous_response_id and GET (0: off)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes the --tp ranks span (tp / nnodes ranks each)")

@@ -119,3 +119,13 @@ def test_drain_timeout_reaches_uvicorns_graceful_shutdown():
     assert _uvicorn_config(default, None).timeout_graceful_shutdown == 30.0
     custom = settings_from_args(build_parser().parse_args(["serve", "--drain-timeout", "2.5"]))
     assert _uvicorn_config(custom, None).timeout_graceful_shutdown == 2.5
+
+
+def test_keep_alive_timeout_reaches_uvicorn():
+    from kserve.cli import build_parser
+    from kserve.server.launch import _uvicorn_config, settings_from_args
+
+    default = settings_from_args(build_parser().parse_args(["serve"]))
+    assert _uvicorn_config(default, None).timeout_keep_alive == 75.0
+    custom = settings_from_args(build_parser().parse_args(["serve", "--keep-alive-timeout", "9"]))
+    assert _uvicorn_config(custom, None).timeout_keep_alive == 9.0

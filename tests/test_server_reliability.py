@@ -186,3 +186,21 @@ def test_completions_merge_keeps_only_the_latest_snapshot_for_a_slow_reader():
     assert len(got) < steps // 4, len(got)  # not one queued snapshot per engine step
     finals = {i: out for i, out in got if out.finished}
     assert set(finals) == {0, 1} and all(out.outputs[0].text == "x" * steps for out in finals.values())
+
+
+def test_idle_connection_outlives_the_clients_pool_expiry(server):
+    """httpx (so the openai and anthropic SDKs) reuses an idle pooled connection for up to 5 s; a server that
+    closed idle connections at 5 s (uvicorn's default) raced it, and a request sent as it closed failed with a
+    disconnect. One connection, idle 6 s between two requests, must still answer."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.base_url)
+    request = f"GET /health HTTP/1.1\r\nHost: {url.hostname}\r\n\r\n".encode()
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        for attempt in range(2):
+            if attempt:
+                time.sleep(6)
+            sock.sendall(request)
+            reply = sock.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 200"), (attempt, reply[:200])

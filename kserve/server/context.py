@@ -43,6 +43,9 @@ class ServerSettings:
     exit_on_engine_death: bool = True  # `kserve serve` exits non-zero once the engine is dead
     responses_store_size: int = 1000  # finished /v1/responses kept for previous_response_id and GET; 0 = off
     drain_timeout_s: float = 30.0  # on SIGTERM, requests in flight may finish for this long before being cut
+    # An idle connection stays open this long: longer than clients keep idle pooled connections (httpx, and so
+    # the openai and anthropic SDKs: 5 s), or a request sent as the server closes one fails with a disconnect.
+    keep_alive_timeout_s: float = 75.0
     # Hosts whose http(s) image URLs may be fetched (exact host match, case-insensitive); None or empty: none.
     allowed_media_domains: list[str] | None = None
     max_images_per_request: int = 32  # images in one request, the whole conversation counted

@@ -72,6 +72,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         exit_on_engine_death=getattr(args, "exit_on_engine_death", True),
         responses_store_size=getattr(args, "responses_store_size", 1000),
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),
+        keep_alive_timeout_s=getattr(args, "keep_alive_timeout", 75.0),
         allowed_media_domains=getattr(args, "allowed_media_domains", None),
     )
 
@@ -84,7 +85,9 @@ def _uvicorn_config(settings: ServerSettings, loader: EngineLoader | None,
                     on_load_failure: LoadFailureHandler | None = None,
                     on_engine_death: EngineDeathHandler | None = None) -> uvicorn.Config:
     return uvicorn.Config(build_app(settings, loader, on_load_failure, on_engine_death), host=settings.host,
-                          port=settings.port, log_level=settings.log_level.lower(), timeout_graceful_shutdown=settings.drain_timeout_s,
+                          port=settings.port, log_level=settings.log_level.lower(),
+                          timeout_graceful_shutdown=settings.drain_timeout_s,
+                          timeout_keep_alive=settings.keep_alive_timeout_s,
                           access_log=settings.log_level.lower() == "debug", log_config=None)
 
 
