@@ -132,10 +132,10 @@ def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
             + rng.choice(style.closers))
     messages = _prefix(rng, style, agent)
     if rng.random() < 0.15:  # an earlier small-talk exchange
-        greet, answer, topic = rng.choice(style.plain)
+        greet, answer = rng.choice(style.plain)
         ask = rng.choice(greet)
         messages += [{"role": "user", "content": ask},
-                     _assistant(_plain_reasoning(topic), answer, thinking)]
+                     _assistant(_plain_reasoning(ask), answer, thinking)]
     messages.append({"role": "user", "content": user})
     calls = [_call(t, a, i) for i, (t, a) in enumerate(zip(used, args))]
     names = " and then ".join(t.name for t in used)
@@ -156,19 +156,17 @@ def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
             "expect": expect, "eval_turn": turn}
 
 
-def _plain_reasoning(topic: str) -> str:
-    """Names what the user does ("greets me") instead of quoting the message: a model that copies well would
-    otherwise repeat a long message word for word before it answers."""
-    return f"The user {topic}, which needs no tool, so I will reply directly."
+def _plain_reasoning(ask: str) -> str:
+    return f"The user says \"{ask}\", which needs no tool, so I will reply directly."
 
 
 def plain_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thinking: bool,
                        agent: bool) -> dict[str, Any]:
     """A chat that needs no tool, with or without tools declared."""
-    greet, answer, topic = rng.choice(style.plain)
+    greet, answer = rng.choice(style.plain)
     ask = rng.choice(greet)
     messages = _prefix(rng, style, agent) + [{"role": "user", "content": ask},
-                                             _assistant(_plain_reasoning(topic), answer, thinking)]
+                                             _assistant(_plain_reasoning(ask), answer, thinking)]
     declare = agent or rng.random() < 0.5
     tools = [t.schema() for t in rng.sample(pool, rng.randint(4, 8) if agent else rng.randint(1, 4))] if declare else []
     return {"messages": messages, "tools": tools, "expect": {"kind": "text", "content": answer},
@@ -187,7 +185,7 @@ def echo_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
     ask = rng.choice(ECHO_WRAPPERS_TRAIN).format(text=text)
     ask = f"{opener} {ask}" if opener else ask
     messages = _prefix(rng, style, agent) + [{"role": "user", "content": ask},
-                                             _assistant(f"The user says \"{ask}\", so I will repeat it.", text, thinking)]
+                                             _assistant(_plain_reasoning(ask), text, thinking)]
     tools = [t.schema() for t in rng.sample(pool, rng.randint(1, 4))] if rng.random() < 0.5 else []
     return {"messages": messages, "tools": tools, "expect": {"kind": "text", "content": text},
             "eval_turn": len(messages) - 1}

@@ -401,7 +401,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=40000)
-    p.add_argument("--steps", type=int, default=2400)
+    p.add_argument("--steps", type=int, default=3600)
     p.add_argument("--batch-tokens", type=int, default=3072, help="padded tokens per batch")
     p.add_argument("--max-len", type=int, default=1024, help="longer conversations are cut")
     p.add_argument("--vocab", type=int, default=4096, help="BPE tokens learned from the conversations")
@@ -424,9 +424,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tied-init", action="store_true",
                    help="a fresh run starts the output embedding equal to the input one (an experiment; it did not help: "
                         "docs/embedded_model.md)")
-    p.add_argument("--induction-init", action=argparse.BooleanOptionalAction, default=True,
-                   help="a fresh run starts with a planted induction circuit (scripts/induction_init.py), so the model "
-                        "copies values from the request (docs/embedded_model.md)")
+    p.add_argument("--induction-init", action="store_true",
+                   help="a fresh run starts with a planted induction circuit (scripts/induction_init.py): it copies, "
+                        "but loops; not yet the recipe (docs/embedded_model.md)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
