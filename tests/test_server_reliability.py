@@ -195,6 +195,24 @@ def test_idle_connection_outlives_the_clients_pool_expiry(server):
     import socket
     from urllib.parse import urlsplit
 
+    def read_response(sock: socket.socket) -> bytes:
+        """One whole response (head and Content-Length body), or what came before the server closed."""
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        while len(body) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+        return head + b"\r\n\r\n" + body
+
     url = urlsplit(server.base_url)
     request = f"GET /health HTTP/1.1\r\nHost: {url.hostname}\r\n\r\n".encode()
     with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
@@ -202,5 +220,5 @@ def test_idle_connection_outlives_the_clients_pool_expiry(server):
             if attempt:
                 time.sleep(6)
             sock.sendall(request)
-            reply = sock.recv(65536)
+            reply = read_response(sock)
             assert reply.startswith(b"HTTP/1.1 200"), (attempt, reply[:200])
