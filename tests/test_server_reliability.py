@@ -192,33 +192,18 @@ def test_idle_connection_outlives_the_clients_pool_expiry(server):
     """httpx (so the openai and anthropic SDKs) reuses an idle pooled connection for up to 5 s; a server that
     closed idle connections at 5 s (uvicorn's default) raced it, and a request sent as it closed failed with a
     disconnect. One connection, idle 6 s between two requests, must still answer."""
-    import socket
+    from http.client import HTTPConnection
     from urllib.parse import urlsplit
 
-    def read_response(sock: socket.socket) -> bytes:
-        """One whole response (head and Content-Length body), or what came before the server closed."""
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = sock.recv(65536)
-            if not chunk:
-                return data
-            data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:")))
-        while len(body) < length:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            body += chunk
-        return head + b"\r\n\r\n" + body
-
     url = urlsplit(server.base_url)
-    request = f"GET /health HTTP/1.1\r\nHost: {url.hostname}\r\n\r\n".encode()
-    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+    conn = HTTPConnection(url.hostname, url.port, timeout=10)  # one socket; it does not reconnect on its own
+    try:
         for attempt in range(2):
             if attempt:
                 time.sleep(6)
-            sock.sendall(request)
-            reply = read_response(sock)
-            assert reply.startswith(b"HTTP/1.1 200"), (attempt, reply[:200])
+            conn.request("GET", "/health")
+            resp = conn.getresponse()  # after a server-side close: RemoteDisconnected
+            assert resp.status == 200, (attempt, resp.status)
+            resp.read()
+    finally:
+        conn.close()
