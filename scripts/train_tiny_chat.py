@@ -82,6 +82,26 @@ def encode_conversation(tokenizer: Any, text: str, spans: list[list[int]], argum
     return ids, weights
 
 
+IGNORED = -1.0  # a token that is context for the model but neither trained on nor counted as context
+
+
+def break_a_repeat(ids: list[int], weights: list[float], think_begin: int, think_end: int,
+                   rng: random.Random) -> tuple[list[int], list[float]]:
+    """Insert, at a random point of one reasoning sentence, a loop that the model must leave: the span just
+    before the point repeated 0-2 times whole and then in part, untrained, after which the sentence resumes.
+    The token after the partial repeat is what the span did not continue with, so the model learns that a
+    span it has repeated need not go on: a model that copies otherwise loops greedy on its own words."""
+    opened = [i for i, t in enumerate(ids[:-1]) if t == think_begin and weights[i + 1] > 0 and think_end in ids[i:]]
+    thoughts = [(i, ids.index(think_end, i)) for i in opened if ids.index(think_end, i) - i > 4]
+    if not thoughts:
+        return ids, weights
+    begin, end = rng.choice(thoughts)
+    point = rng.randint(begin + 3, end - 1)  # the loop goes before ids[point]
+    span = ids[point - rng.randint(2, min(6, point - begin - 1)): point]
+    loop = span * rng.randint(0, 2) + span[: rng.randint(1, len(span) - 1)]
+    return ids[:point] + loop + ids[point:], weights[:point] + [IGNORED] * len(loop) + weights[point:]
+
+
 def length_batches(examples: list[tuple[list[int], list[float]]], max_len: int, batch_tokens: int,
                    pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Whole conversations (never packed together, so a copied value can only come from its own
@@ -118,6 +138,20 @@ def learn_corpus_ranks(convos: list[dict[str, Any]], vocab_size: int) -> tuple[b
 
     corpus = "\n".join(_SPECIAL.sub("\n", c["text"]) for c in convos)
     return learn_bpe_ranks(vocab_size, TRAINING_CORPUS + "\n" + corpus)
+
+
+def unlikelihood(flat_logits: torch.Tensor, ids: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """Token-level unlikelihood (Welleck et al., 2019) summed over the `trained` predictions: -sum log(1 - p)
+    over the tokens already in the sequence other than the right one, so a token is not likely merely
+    because it came before."""
+    width = ids.shape[1]
+    at = trained.nonzero().squeeze(1)
+    row, pos = at // (width - 1), at % (width - 1)
+    earlier = (torch.arange(width)[None] <= pos[:, None]).float()
+    seen = torch.zeros(len(at), flat_logits.shape[-1]).scatter_reduce(1, ids[row], earlier, "amax")
+    seen.scatter_(1, ids[row, pos + 1][:, None], 0.0)
+    p = torch.softmax(flat_logits[at], -1)
+    return -(torch.log((1 - p).clamp(min=1e-5)) * seen).sum()
 
 
 def export_checkpoint_tensors(model: torch.nn.Module, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -293,6 +327,11 @@ def train(args: argparse.Namespace) -> Path:
     pad_id = cfg["eos_token_id"]
 
     examples = [encode_conversation(tokenizer, c["text"], c["spans"], args.arguments_weight, args.choice_weight) for c in convos]
+    if args.repeat_break_share:
+        think = [tokenizer.encode(t, allow_special_tokens=True)[0] for t in ("<think>", "</think>")]
+        loops = random.Random(args.seed)
+        examples = [break_a_repeat(*e, *think, loops) if loops.random() < args.repeat_break_share else e
+                    for e in examples]
     batches = length_batches(examples, args.max_len, args.batch_tokens, pad_id)
     n_tokens = sum(len(e[0]) for e in examples)
     print(f"{len(convos)} conversations, {n_tokens} tokens ({n_tokens / len(convos):.0f} each, vocabulary "
@@ -335,15 +374,18 @@ def train(args: argparse.Namespace) -> Path:
             logits = model(input_ids=x).logits[:, :-1]
         target, weight = x[:, 1:].reshape(-1), m[:, 1:].reshape(-1)
         assistant = (weight > 0).float()
-        context = real[:, 1:].reshape(-1).float() - assistant
-        loss_tok = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target,
-                                                     reduction="none")
+        context = real[:, 1:].reshape(-1).float() - assistant - (weight == IGNORED).float()
+        weight = weight.clamp(min=0)
+        flat_logits = logits.float().reshape(-1, logits.shape[-1])
+        loss_tok = torch.nn.functional.cross_entropy(flat_logits, target, reduction="none")
         n_assistant = assistant.sum().clamp(min=1)
         loss = (loss_tok * assistant).sum() / n_assistant  # what the curve shows
         total = (loss_tok * weight).sum() / n_assistant
         # the rest of the conversation is learned too, at a lower weight: predicting the user's words and the
         # repeated tool names teaches the attention to look back and copy, which the assistant turns need
         total = total + args.context_weight * (loss_tok * context).sum() / context.sum().clamp(min=1)
+        if args.unlikelihood_weight:
+            total = total + args.unlikelihood_weight * unlikelihood(flat_logits, x, assistant > 0) / n_assistant
         opt.zero_grad(set_to_none=True)
         with parametrize.cached():
             total.backward()
@@ -414,6 +456,10 @@ def parser() -> argparse.ArgumentParser:
                    help="loss weight of the tool calls' argument tokens (the rest of the assistant's are 1)")
     p.add_argument("--choice-weight", type=float, default=3.0,
                    help="loss weight of the tokens that choose text or a tool call, which tool, and how many calls")
+    p.add_argument("--repeat-break-share", type=float, default=0.0,
+                   help="share of conversations given an untrained loop in one reasoning sentence to leave")
+    p.add_argument("--unlikelihood-weight", type=float, default=0.0,
+                   help="weight of token-level unlikelihood on the tokens already in the sequence")
     p.add_argument("--matmul-dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="bf16 autocast or fp32 matmuls (auto: bf16 where the CPU has native bf16)")
     p.add_argument("--qk-clip", type=float, default=15.0,

@@ -214,3 +214,50 @@ def test_experts_train_on_the_int4_values_the_checkpoint_will_hold():
     assert not torch.equal(faked.detach(), weight.detach())
     faked.sum().backward()
     assert torch.equal(weight.grad, torch.ones_like(weight))
+
+
+def test_a_planted_loop_is_untrained_and_the_thought_resumes_after_it():
+    """train_tiny_chat.py --repeat-break-share: a loop of the span just before a point in a reasoning
+    sentence (whole 0-2 times, then in part) goes in untrained; without it the sequence is the original one,
+    and the token after it is one the loop's span did not continue with."""
+    import random
+
+    from train_tiny_chat import IGNORED, break_a_repeat
+
+    think, end = 90, 91
+    ids = [1, 2, think, 10, 11, 12, 13, 14, 15, 16, end, 20, 3, think, end, 21]  # a second turn thinks nothing
+    weights = [0.0, 0.0, 3.0] + [3.0] * 7 + [3.0, 1.0, 0.0, 3.0, 3.0, 1.0]
+    for seed in range(40):
+        new_ids, new_weights = break_a_repeat(ids, weights, think, end, random.Random(seed))
+        loop = [i for i, w in enumerate(new_weights) if w == IGNORED]
+        assert loop and loop == list(range(loop[0], loop[-1] + 1))
+        first, after = loop[0], loop[-1] + 1
+        assert [t for t, w in zip(new_ids, new_weights) if w != IGNORED] == ids
+        assert [w for w in new_weights if w != IGNORED] == weights
+        assert ids.index(think) < first and after < new_ids.index(end)  # inside the reasoning sentence
+        planted = new_ids[first:after]
+        spans = [ids[first - k: first] for k in range(2, 7) if first - k > ids.index(think)]
+        span = next(s for s in spans if planted == (s * 3)[: len(planted)] and len(planted) % len(s))
+        assert new_ids[after] == ids[first] != span[len(planted) % len(span)]
+    no_thought = ([1, 2, think, end, 20], [0.0, 0.0, 3.0, 3.0, 1.0])
+    assert break_a_repeat(*no_thought, think, end, random.Random(0)) == no_thought
+
+
+def test_unlikelihood_is_minus_log_one_minus_p_over_earlier_tokens_but_the_right_one():
+    import math
+
+    import torch
+
+    from train_tiny_chat import unlikelihood
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 7, (2, 9), generator=gen)
+    logits = torch.randn(2 * 8, 7, generator=gen)
+    trained = torch.rand(2 * 8, generator=gen) < 0.6
+    expected = 0.0
+    for n in trained.nonzero().flatten().tolist():
+        row, pos = divmod(n, 8)
+        p = torch.softmax(logits[n], -1)
+        for token in set(ids[row, : pos + 1].tolist()) - {ids[row, pos + 1].item()}:
+            expected -= math.log(1 - p[token].item())
+    assert math.isclose(unlikelihood(logits, ids, trained).item(), expected, rel_tol=1e-5)
