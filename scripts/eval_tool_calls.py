@@ -14,6 +14,9 @@ sends `chat_template_kwargs: {"thinking": false}`). Reported:
 
 `--echo N` also sends N training-style requests to repeat random words (gen_tool_data.py's echo requests)
 and reports echo_copy_rate, the share answered with exactly those words: a direct probe of copying.
+`--loops` also sends LOOP_PROBE's 20 requests unlike the training data (lower-case cities, a dynamic tool
+declaration, small talk and tasks it never saw), greedy with a 128-token cap, and reports loop_probe: how
+many run to the cap, which for this model means a loop.
 """
 
 from __future__ import annotations
@@ -76,6 +79,45 @@ def score(client: Any, model: str, rows: list[dict[str, Any]], thinking: bool | 
     }
 
 
+def _tool(name: str, description: str, param: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": {param: {"type": "string"}}, "required": [param]}}}
+
+
+WEATHER = _tool("get_weather", "Get the weather of a city.", "city")
+TIME = _tool("get_time", "Get the local time of a city.", "city")
+SEARCH = _tool("web_search", "Search the web.", "query")
+# (user message, request tools, tools declared in a system message instead)
+LOOP_PROBE: tuple[tuple[str, tuple[dict[str, Any], ...], tuple[dict[str, Any], ...]], ...] = (
+    ("what is the weather in beijing?", (), (WEATHER,)), ("what is the weather in beijing?", (), (WEATHER, TIME)),
+    ("what is the weather in beijing?", (WEATHER,), ()), ("weather in tokyo pls", (WEATHER, TIME), ()),
+    ("is it raining in london right now?", (WEATHER, TIME, SEARCH), ()),
+    ("tell me the weather for new york city", (WEATHER,), ()),
+    ("What's the temperature in Berlin?", (WEATHER, SEARCH), ()), ("what time is it in oslo", (WEATHER, TIME), ()),
+    ("search the web for the best pizza in naples", (WEATHER, SEARCH), ()),
+    ("Yo, what's up?", (WEATHER, TIME), ()), ("Howdy!", (WEATHER,), ()),
+    ("Thanks a lot! That's all for today.", (WEATHER, SEARCH), ()), ("ok cool", (WEATHER,), ()),
+    ("你好。", (), ()), ("用一句话介绍北京。", (), ()),
+    ("Write a haiku about the sea.", (), ()), ("What is 2+2?", (), ()),
+    ("Tell me about yourself in detail.", (), ()), ("hello hello hello", (), ()),
+    ("I have been working on a project for my team at work and we need to plan the next steps carefully, so please "
+     "think about what we should do first and tell me.", (), ()),
+)
+
+
+def loop_probe(client: Any, model: str) -> int:
+    """How many LOOP_PROBE requests run to the 128-token cap, greedy."""
+    capped = 0
+    for text, tools, dynamic in LOOP_PROBE:
+        messages = ([{"role": "system", "content": "", "tools": list(dynamic)}] if dynamic else []) + [
+            {"role": "user", "content": text}]
+        kwargs: dict[str, Any] = {"tools": list(tools)} if tools else {}
+        resp = client.chat.completions.create(model=model, messages=messages, temperature=0.0, max_tokens=128,
+                                              **kwargs)
+        capped += resp.choices[0].finish_reason == "length"
+    return capped
+
+
 def main(argv: list[str] | None = None) -> int:
     import openai
 
@@ -87,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--thinking", choices=["default", "on", "off"], default="default",
                    help="the chat template's thinking switch (default: the model's own default)")
     p.add_argument("--echo", type=int, default=0, help="also probe copying with this many echo requests")
+    p.add_argument("--loops", action="store_true", help="also count greedy loops on LOOP_PROBE's requests")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
 
@@ -108,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.echo:
             echoes = generate(args.seed, args.echo, "train", echo_share=1.0)
             result["echo_copy_rate"] = score(client, model, echoes, thinking, text_max_tokens=160)["plain_exact_rate"]
+        if args.loops:
+            result["loop_probe"] = f"{loop_probe(client, model)} of {len(LOOP_PROBE)} at the cap"
     finally:
         if server is not None:
             server.stop()
