@@ -27,13 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gen_tool_data import generate
 
+from kserve.chat.markers import THINK_BEGIN, THINK_END
+
 # make-tiny's K2.6 text config, with half its attention heads: the package stays under 20 MB with K2.6's
 # bf16 attention (make-tiny's 8 heads alone would be 14 MB of it).
 TEXT_OVERRIDES = {"num_attention_heads": 4, "num_key_value_heads": 4}
 INT4_GROUP = 32
 
 
-_THINK_END = "</think>"
 _CALL = re.compile(r"<\|tool_call_begin\|>(.*?)<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.S)
 
 
@@ -59,10 +60,10 @@ def encode_conversation(tokenizer: Any, text: str, spans: list[list[int]], argum
     for start, end in spans:
         add(cursor, start, 0.0)
         first, inner = len(ids), start
-        think_end = text.find(_THINK_END, start, end)
+        think_end = text.find(THINK_END, start, end)
         if think_end >= 0:  # the reasoning sentence and its </think> decide the turn
-            add(start, think_end + len(_THINK_END), choice_weight)
-            inner = think_end + len(_THINK_END)
+            add(start, think_end + len(THINK_END), choice_weight)
+            inner = think_end + len(THINK_END)
         after_think = len(ids)
         for m in _CALL.finditer(text, inner, end):
             add(inner, m.start(1), 1.0)
@@ -91,8 +92,10 @@ def break_a_repeat(ids: list[int], weights: list[float], think_begin: int, think
     before the point repeated 0-2 times whole and then in part, untrained, after which the sentence resumes.
     The token after the partial repeat is what the span did not continue with, so the model learns that a
     span it has repeated need not go on: a model that copies otherwise loops greedy on its own words."""
-    opened = [i for i, t in enumerate(ids[:-1]) if t == think_begin and weights[i + 1] > 0 and think_end in ids[i:]]
-    thoughts = [(i, ids.index(think_end, i)) for i in opened if ids.index(think_end, i) - i > 4]
+    ends = [i for i, t in enumerate(ids) if t == think_end]
+    thoughts = [(i, next(e for e in ends if e > i)) for i, t in enumerate(ids[:-1])
+                if t == think_begin and weights[i + 1] > 0 and ends and ends[-1] > i]
+    thoughts = [(begin, end) for begin, end in thoughts if end - begin > 4]
     if not thoughts:
         return ids, weights
     begin, end = rng.choice(thoughts)
@@ -328,7 +331,7 @@ def train(args: argparse.Namespace) -> Path:
 
     examples = [encode_conversation(tokenizer, c["text"], c["spans"], args.arguments_weight, args.choice_weight) for c in convos]
     if args.repeat_break_share:
-        think = [tokenizer.encode(t, allow_special_tokens=True)[0] for t in ("<think>", "</think>")]
+        think = [tokenizer.encode(t, allow_special_tokens=True)[0] for t in (THINK_BEGIN, THINK_END)]
         loops = random.Random(args.seed)
         examples = [break_a_repeat(*e, *think, loops) if loops.random() < args.repeat_break_share else e
                     for e in examples]
