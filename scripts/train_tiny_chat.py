@@ -4,9 +4,11 @@
 
 transformers' DeepseekV3ForCausalLM on the CPU (make-tiny's K2.6 geometry with 4 heads), AdamW, K2's
 QK-Clip, routed experts through INT4 fake quantization; loss weighted toward each assistant turn's
-reasoning sentence, tool names and arguments. Written as `kimi_k25` + INT4 experts + K2.6 tokenizer files,
-with `loss.png` and `train_log.json`. The defaults are the embedded model's recipe (README, "The embedded
-model"); same arguments, same data, tokenizer and batch order.
+reasoning sentence, tool names and arguments. `--polish-steps N` adds a second stage of N steps without
+the planted loops (`--repeat-break-share`), with a fresh optimizer (`--polish-lr`, `--polish-warmup`).
+Written as `kimi_k25` + INT4 experts + K2.6 tokenizer files, with `loss.png` and `train_log.json`. The
+defaults are the embedded model's recipe (README, "The embedded model"); same arguments, same data,
+tokenizer and batch order.
 """
 
 from __future__ import annotations
@@ -330,15 +332,16 @@ def train(args: argparse.Namespace) -> Path:
     pad_id = cfg["eos_token_id"]
 
     examples = [encode_conversation(tokenizer, c["text"], c["spans"], args.arguments_weight, args.choice_weight) for c in convos]
+    planted = examples
     if args.repeat_break_share:
         think = [tokenizer.encode(t, allow_special_tokens=True)[0] for t in (THINK_BEGIN, THINK_END)]
         loops = random.Random(args.seed)
-        examples = [break_a_repeat(*e, *think, loops) if loops.random() < args.repeat_break_share else e
-                    for e in examples]
-    batches = length_batches(examples, args.max_len, args.batch_tokens, pad_id)
-    n_tokens = sum(len(e[0]) for e in examples)
+        planted = [break_a_repeat(*e, *think, loops) if loops.random() < args.repeat_break_share else e
+                   for e in examples]
+    batches = length_batches(planted, args.max_len, args.batch_tokens, pad_id)
+    n_tokens = sum(len(e[0]) for e in planted)
     print(f"{len(convos)} conversations, {n_tokens} tokens ({n_tokens / len(convos):.0f} each, vocabulary "
-          f"{len(ranks)}), {sum(sum(w > 0 for w in e[1]) for e in examples)} trained; {len(batches)} batches")
+          f"{len(ranks)}), {sum(sum(w > 0 for w in e[1]) for e in planted)} trained; {len(batches)} batches")
 
     if args.init_from:  # continue from an earlier run's checkpoint (same data, so the same tokenizer)
         from kserve.model.hf_reference import build_hf_reference
@@ -357,56 +360,68 @@ def train(args: argparse.Namespace) -> Path:
     faked = fake_quantize_experts(model, INT4_GROUP) if args.int4_qat else []
     bf16 = args.matmul_dtype == "bf16" or args.matmul_dtype == "auto" and cpu_has_native_bf16()
     print(f"matmuls in {'bf16' if bf16 else 'fp32'}")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     clip = AttentionLogitClip(model, args.qk_clip) if args.qk_clip else None
-    gen = torch.Generator().manual_seed(args.seed if args.shuffle_seed is None else args.shuffle_seed)
-    order: list[int] = []
-    log: list[dict[str, float]] = []
     start = last_export = time.time()
-    bar = tqdm(range(args.steps), desc="train", unit="step")
-    for step in bar:
-        if args.time_limit and time.time() - start > args.time_limit or step == args.stop_at:
-            print(f"stopped at step {step}")
-            break
-        if not order:  # a new epoch: every batch once, in a seeded order
-            order = torch.randperm(len(batches), generator=gen).tolist()
-        x, m, real = batches[order.pop()]
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), parametrize.cached():
-            logits = model(input_ids=x).logits[:, :-1]
-        target, weight = x[:, 1:].reshape(-1), m[:, 1:].reshape(-1)
-        assistant = (weight > 0).float()
-        context = real[:, 1:].reshape(-1).float() - assistant - (weight == IGNORED).float()
-        weight = weight.clamp(min=0)
-        flat_logits = logits.float().reshape(-1, logits.shape[-1])
-        loss_tok = torch.nn.functional.cross_entropy(flat_logits, target, reduction="none")
-        n_assistant = assistant.sum().clamp(min=1)
-        loss = (loss_tok * assistant).sum() / n_assistant  # what the curve shows
-        total = (loss_tok * weight).sum() / n_assistant
-        # the rest of the conversation is learned too, at a lower weight: predicting the user's words and the
-        # repeated tool names teaches the attention to look back and copy, which the assistant turns need
-        total = total + args.context_weight * (loss_tok * context).sum() / context.sum().clamp(min=1)
-        if args.unlikelihood_weight:
-            total = total + args.unlikelihood_weight * unlikelihood(flat_logits, x, assistant > 0) / n_assistant
-        opt.zero_grad(set_to_none=True)
-        with parametrize.cached():
-            total.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if clip is not None:
-            clip()
-        log.append({"step": step, "loss": loss.item(), "seconds": time.time() - start})
-        bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", clipped=clip.clipped if clip else 0)
-        if args.export_every and time.time() - last_export > args.export_every:
-            write_weights(model, cfg, out)
-            last_export = time.time()
+
+    def run_stage(name: str, stage_batches: list, steps: int, peak_lr: float, warmup: int,
+                  stop_at: int | None) -> list[dict[str, float]]:
+        nonlocal last_export
+        opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.01)
+        gen = torch.Generator().manual_seed(args.seed if args.shuffle_seed is None else args.shuffle_seed)
+        order: list[int] = []
+        log: list[dict[str, float]] = []
+        bar = tqdm(range(steps), desc=name, unit="step")
+        for step in bar:
+            if args.time_limit and time.time() - start > args.time_limit or step == stop_at:
+                print(f"stopped at step {step}")
+                break
+            if not order:  # a new epoch: every batch once, in a seeded order
+                order = torch.randperm(len(stage_batches), generator=gen).tolist()
+            x, m, real = stage_batches[order.pop()]
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, steps, peak_lr, warmup)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), parametrize.cached():
+                logits = model(input_ids=x).logits[:, :-1]
+            target, weight = x[:, 1:].reshape(-1), m[:, 1:].reshape(-1)
+            assistant = (weight > 0).float()
+            context = real[:, 1:].reshape(-1).float() - assistant - (weight == IGNORED).float()
+            weight = weight.clamp(min=0)
+            flat_logits = logits.float().reshape(-1, logits.shape[-1])
+            loss_tok = torch.nn.functional.cross_entropy(flat_logits, target, reduction="none")
+            n_assistant = assistant.sum().clamp(min=1)
+            loss = (loss_tok * assistant).sum() / n_assistant  # what the curve shows
+            total = (loss_tok * weight).sum() / n_assistant
+            # the rest of the conversation is learned too, at a lower weight: predicting the user's words and the
+            # repeated tool names teaches the attention to look back and copy, which the assistant turns need
+            total = total + args.context_weight * (loss_tok * context).sum() / context.sum().clamp(min=1)
+            if args.unlikelihood_weight:
+                total = total + args.unlikelihood_weight * unlikelihood(flat_logits, x, assistant > 0) / n_assistant
+            opt.zero_grad(set_to_none=True)
+            with parametrize.cached():
+                total.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if clip is not None:
+                clip()
+            log.append({"step": step, "loss": loss.item(), "seconds": time.time() - start})
+            bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", clipped=clip.clipped if clip else 0)
+            if args.export_every and time.time() - last_export > args.export_every:
+                write_weights(model, cfg, out)
+                last_export = time.time()
+        return log
+
+    logs = [run_stage("train", batches, args.steps, args.lr, args.warmup, args.stop_at)]
+    if args.polish_steps and len(logs[0]) == args.steps:
+        # the planted loops cost the tool choice; a short second stage on the plain data, with a fresh optimizer
+        # and a lower peak, wins it back and keeps most of the loop fix (docs/embedded_model.md)
+        plain = batches if planted is examples else length_batches(examples, args.max_len, args.batch_tokens, pad_id)
+        logs.append(run_stage("polish", plain, args.polish_steps, args.polish_lr, args.polish_warmup, None))
 
     unfake_experts(faked)
     write_weights(model, cfg, out)
     # a run started from another keeps that one's stages before its own
     stages = _stages(Path(args.init_from)) if args.init_from else []
-    stages.append({"args": vars(args), "log": log})
+    stages += [{"args": vars(args), "log": log} for log in logs]
     (out / "train_log.json").write_text(json.dumps({"stages": stages}, indent=1))
     curve, offset = [], 0
     for stage in stages:
@@ -473,11 +488,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tied-init", action="store_true",
                    help="a fresh run starts the output embedding equal to the input one (an experiment; it did not help: "
                         "docs/embedded_model.md)")
-    p.add_argument("--induction-init", action="store_true",
+    p.add_argument("--induction-init", action=argparse.BooleanOptionalAction, default=False,
                    help="a fresh run starts with a planted induction circuit (scripts/induction_init.py): it copies, "
                         "but loops; not yet the recipe (docs/embedded_model.md)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--polish-steps", type=int, default=0,
+                   help="then this many steps without the planted loops, with a fresh optimizer (0: none)")
+    p.add_argument("--polish-lr", type=float, default=5e-4)
+    p.add_argument("--polish-warmup", type=int, default=50)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-int4-qat", dest="int4_qat", action="store_false",
                    help="train the routed experts in fp32 and only round them to INT4 at export")

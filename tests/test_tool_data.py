@@ -57,8 +57,11 @@ def test_same_seed_same_data_and_other_seed_differs():
 def test_heldout_phrasings_are_never_used_for_training():
     assert not set(WRAPPERS_TRAIN) & set(WRAPPERS_HELDOUT)
     assert not set(TWO_TASK_JOINERS_TRAIN) & set(TWO_TASK_JOINERS_HELDOUT)
-    train_chats = {ask.lower() for asks, _ in PLAIN_CHATS for ask in asks}
-    assert not train_chats & {ask.lower() for asks, _ in PLAIN_CHATS_HELDOUT for ask in asks}
+    # A training plain chat must not be a held-out chat, opener or closer either ("Much obliged." once was).
+    train_chats = {ask.lower() for asks, *_ in PLAIN_CHATS for ask in asks}
+    heldout_words = {ask.lower() for asks, *_ in PLAIN_CHATS_HELDOUT for ask in asks}
+    heldout_words |= {w.strip().lower() for w in OPENERS_HELDOUT + CLOSERS_HELDOUT} - {""}
+    assert not train_chats & heldout_words
     for train, heldout in ((OPENERS_TRAIN, OPENERS_HELDOUT), (CLOSERS_TRAIN, CLOSERS_HELDOUT),
                            (AGENT_PERSONAS_TRAIN, AGENT_PERSONAS_HELDOUT), (AGENT_RULES_TRAIN, AGENT_RULES_HELDOUT)):
         assert not (set(train) - {""}) & set(heldout)

@@ -31,3 +31,18 @@ def test_export_while_experts_are_fake_quantized_matches_the_final_export():
     assert mid_run.keys() == final.keys() and any("experts.3.down_proj" in name for name in final)
     for name, tensor in final.items():
         assert torch.equal(mid_run[name], tensor), name
+
+
+def test_polish_stage_follows_the_main_stage_in_one_run(tmp_path):
+    """--polish-steps: one command trains the main stage (here with planted loops in every conversation), then
+    the polishing stage, and logs both; a run stopped early (--stop-at) skips the polish."""
+    from train_tiny_chat import parser, train
+
+    common = ["--conversations", "60", "--bpe-conversations", "60", "--vocab", "1024", "--batch-tokens", "1024", "--steps", "2",
+              "--warmup", "1", "--repeat-break-share", "1", "--polish-steps", "1", "--polish-warmup", "1"]
+    out = train(parser().parse_args(["--out", str(tmp_path / "both"), *common]))
+    stages = json.loads((out / "train_log.json").read_text())["stages"]
+    assert [len(stage["log"]) for stage in stages] == [2, 1]
+    assert stages[1]["log"][0]["seconds"] >= stages[0]["log"][-1]["seconds"]
+    out = train(parser().parse_args(["--out", str(tmp_path / "stopped"), *common, "--stop-at", "1"]))
+    assert [len(stage["log"]) for stage in json.loads((out / "train_log.json").read_text())["stages"]] == [1]
