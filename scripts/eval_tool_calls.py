@@ -17,6 +17,9 @@ and reports echo_copy_rate, the share answered with exactly those words: a direc
 `--loops` also sends LOOP_PROBE's 20 requests unlike the training data (lower-case cities, a dynamic tool
 declaration, small talk and tasks it never saw), greedy with a 128-token cap, and reports loop_probe: how
 many run to the cap, which for this model means a loop.
+`--bare N` also sends N bare tool requests ("What's the weather like in Paris today?", no opener, wrapper or
+closer; split `bare`), which the held-out split never has, and reports bare_tool_call_rate and
+bare_exact_args_rate: a short request that opens like a plain chat is where these models answer in text.
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the chat template's thinking switch (default: the model's own default)")
     p.add_argument("--echo", type=int, default=0, help="also probe copying with this many echo requests")
     p.add_argument("--loops", action="store_true", help="also count greedy loops on LOOP_PROBE's requests")
+    p.add_argument("--bare", type=int, default=0, help="also send this many bare tool requests")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
 
@@ -151,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.echo:
             echoes = generate(args.seed, args.echo, "train", echo_share=1.0)
             result["echo_copy_rate"] = score(client, model, echoes, thinking, text_max_tokens=160)["plain_exact_rate"]
+        if args.bare:
+            bare = score(client, model, generate(args.seed, args.bare, "bare", plain_share=0.0, agent_share=0.0), thinking)
+            result["bare_tool_call_rate"], result["bare_exact_args_rate"] = bare["tool_call_rate"], bare["exact_args_rate"]
         if args.loops:
             result["loop_probe"] = f"{loop_probe(client, model)} of {len(LOOP_PROBE)} at the cap"
     finally:

@@ -593,4 +593,7 @@ def phrasing(split: str) -> Phrasing:
     if split == "heldout":
         return Phrasing(WRAPPERS_HELDOUT, TWO_TASK_JOINERS_HELDOUT, PLAIN_CHATS_HELDOUT, OPENERS_HELDOUT,
                         CLOSERS_HELDOUT, AGENT_PERSONAS_HELDOUT, AGENT_RULES_HELDOUT)
-    raise ValueError(f"unknown split {split!r}; expected 'train' or 'heldout'")
+    if split == "bare":  # a probe, not held out: the training's bare request, no opener or closer
+        return Phrasing(("{Intent}?", "{Intent}."), TWO_TASK_JOINERS_HELDOUT, PLAIN_CHATS_HELDOUT, ("",), ("",),
+                        AGENT_PERSONAS_HELDOUT, AGENT_RULES_HELDOUT)
+    raise ValueError(f"unknown split {split!r}; expected 'train', 'heldout' or 'bare'")

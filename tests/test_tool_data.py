@@ -264,3 +264,15 @@ def test_unlikelihood_is_minus_log_one_minus_p_over_earlier_tokens_but_the_right
         for token in set(ids[row, : pos + 1].tolist()) - {ids[row, pos + 1].item()}:
             expected -= math.log(1 - p[token].item())
     assert math.isclose(unlikelihood(logits, ids, trained).item(), expected, rel_tol=1e-5)
+
+
+def test_bare_split_asks_with_the_request_alone():
+    """eval_tool_calls.py --bare: each request is the task itself, capitalized, with no opener, wrapper words
+    or closer, and every conversation is a tool request."""
+    wrapped = ({w.split("{")[0] for w in WRAPPERS_TRAIN + WRAPPERS_HELDOUT} | set(OPENERS_TRAIN + OPENERS_HELDOUT)) - {""}
+    rows = generate(1, 40, "bare", plain_share=0.0, agent_share=0.0)
+    assert all(row["expect"]["kind"] == "tool_calls" for row in rows)
+    for row in rows:
+        request = row["messages"][row["eval_turn"] - 1]["content"]
+        assert request[0].isupper() and not any(request.startswith(w) for w in wrapped), request
+        assert not any(request.endswith(c) for c in set(CLOSERS_TRAIN + CLOSERS_HELDOUT) - {""}), request
