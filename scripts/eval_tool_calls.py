@@ -156,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             echoes = generate(args.seed, args.echo, "train", echo_share=1.0)
             result["echo_copy_rate"] = score(client, model, echoes, thinking, text_max_tokens=160)["plain_exact_rate"]
         if args.bare:
-            bare = score(client, model, generate(args.seed, args.bare, "bare", plain_share=0.0, agent_share=0.0), thinking)
-            result["bare_tool_call_rate"], result["bare_exact_args_rate"] = bare["tool_call_rate"], bare["exact_args_rate"]
+            bare_rows = generate(args.seed, args.bare, "bare", plain_share=0.0, agent_share=0.0)
+            bare = score(client, model, bare_rows, thinking)
+            result["bare_tool_call_rate"] = bare["tool_call_rate"]
+            result["bare_exact_args_rate"] = bare["exact_args_rate"]
         if args.loops:
             result["loop_probe"] = f"{loop_probe(client, model)} of {len(LOOP_PROBE)} at the cap"
     finally:

@@ -410,18 +410,18 @@ def train(args: argparse.Namespace) -> Path:
                 last_export = time.time()
         return log
 
-    logs = [run_stage("train", batches, args.steps, args.lr, args.warmup, args.stop_at)]
-    if args.polish_steps and len(logs[0]) == args.steps:
-        # the planted loops cost the tool choice; a short second stage on the plain data, with a fresh optimizer
-        # and a lower peak, wins it back and keeps most of the loop fix (docs/embedded_model.md)
+    logs = {"train": run_stage("train", batches, args.steps, args.lr, args.warmup, args.stop_at)}
+    if args.polish_steps and len(logs["train"]) == args.steps:
+        # the planted loops cost tool choice; a second stage without them, fresh optimizer and a lower peak, won
+        # most of it back in the third run (docs/embedded_model.md)
         plain = batches if planted is examples else length_batches(examples, args.max_len, args.batch_tokens, pad_id)
-        logs.append(run_stage("polish", plain, args.polish_steps, args.polish_lr, args.polish_warmup, None))
+        logs["polish"] = run_stage("polish", plain, args.polish_steps, args.polish_lr, args.polish_warmup, None)
 
     unfake_experts(faked)
     write_weights(model, cfg, out)
     # a run started from another keeps that one's stages before its own
     stages = _stages(Path(args.init_from)) if args.init_from else []
-    stages += [{"args": vars(args), "log": log} for log in logs]
+    stages += [{"args": vars(args), "stage": name, "log": log} for name, log in logs.items()]
     (out / "train_log.json").write_text(json.dumps({"stages": stages}, indent=1))
     curve, offset = [], 0
     for stage in stages:

@@ -269,7 +269,8 @@ def test_unlikelihood_is_minus_log_one_minus_p_over_earlier_tokens_but_the_right
 def test_bare_split_asks_with_the_request_alone():
     """eval_tool_calls.py --bare: each request is the task itself, capitalized, with no opener, wrapper words
     or closer, and every conversation is a tool request."""
-    wrapped = ({w.split("{")[0] for w in WRAPPERS_TRAIN + WRAPPERS_HELDOUT} | set(OPENERS_TRAIN + OPENERS_HELDOUT)) - {""}
+    wrapped = {w.split("{")[0] for w in WRAPPERS_TRAIN + WRAPPERS_HELDOUT} | set(OPENERS_TRAIN + OPENERS_HELDOUT)
+    wrapped -= {""}
     rows = generate(1, 40, "bare", plain_share=0.0, agent_share=0.0)
     assert all(row["expect"]["kind"] == "tool_calls" for row in rows)
     for row in rows:

@@ -38,11 +38,12 @@ def test_polish_stage_follows_the_main_stage_in_one_run(tmp_path):
     the polishing stage, and logs both; a run stopped early (--stop-at) skips the polish."""
     from train_tiny_chat import parser, train
 
-    common = ["--conversations", "60", "--bpe-conversations", "60", "--vocab", "1024", "--batch-tokens", "1024", "--steps", "2",
-              "--warmup", "1", "--repeat-break-share", "1", "--polish-steps", "1", "--polish-warmup", "1"]
+    common = ["--conversations", "60", "--bpe-conversations", "60", "--vocab", "1024", "--batch-tokens", "1024",
+              "--steps", "2", "--warmup", "1", "--repeat-break-share", "1",
+              "--polish-steps", "1", "--polish-warmup", "1"]
     out = train(parser().parse_args(["--out", str(tmp_path / "both"), *common]))
     stages = json.loads((out / "train_log.json").read_text())["stages"]
-    assert [len(stage["log"]) for stage in stages] == [2, 1]
+    assert [(stage["stage"], len(stage["log"])) for stage in stages] == [("train", 2), ("polish", 1)]
     assert stages[1]["log"][0]["seconds"] >= stages[0]["log"][-1]["seconds"]
     out = train(parser().parse_args(["--out", str(tmp_path / "stopped"), *common, "--stop-at", "1"]))
     assert [len(stage["log"]) for stage in json.loads((out / "train_log.json").read_text())["stages"]] == [1]
