@@ -20,6 +20,9 @@ many run to the cap, which for this model means a loop.
 `--bare N` also sends N bare tool requests ("What's the weather like in Paris today?", no opener, wrapper or
 closer; split `bare`), which the held-out split never has, and reports bare_tool_call_rate and
 bare_exact_args_rate: a short request that opens like a plain chat is where these models answer in text.
+`--answers N` also sends N held-out tool conversations cut before the final answer, their tool results
+without `name` as the `openai` SDK sends them, and reports answer_stop_rate (text ending in `stop`) and
+answer_exact_rate (exactly the expected sentence): the turn that reads a result.
 """
 
 from __future__ import annotations
@@ -82,6 +85,20 @@ def score(client: Any, model: str, rows: list[dict[str, Any]], thinking: bool | 
     }
 
 
+def answer_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tool conversations cut before their final answer, each result without the tool's `name` (K2.6's
+    template then heads it "tool"), expecting the answer's text."""
+    cut = []
+    for row in rows:
+        if row["expect"]["kind"] != "tool_calls":
+            continue
+        messages = [{k: v for k, v in m.items() if not (m["role"] == "tool" and k == "name")}
+                    for m in row["messages"]]
+        cut.append({**row, "messages": messages, "eval_turn": len(messages) - 1,
+                    "expect": {"kind": "text", "content": messages[-1]["content"]}})
+    return cut
+
+
 def _tool(name: str, description: str, param: str) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "description": description, "parameters": {
         "type": "object", "properties": {param: {"type": "string"}}, "required": [param]}}}
@@ -134,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--echo", type=int, default=0, help="also probe copying with this many echo requests")
     p.add_argument("--loops", action="store_true", help="also count greedy loops on LOOP_PROBE's requests")
     p.add_argument("--bare", type=int, default=0, help="also send this many bare tool requests")
+    p.add_argument("--answers", type=int, default=0,
+                   help="also send this many held-out tool conversations for their final answer")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
 
@@ -160,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
             bare = score(client, model, bare_rows, thinking)
             result["bare_tool_call_rate"] = bare["tool_call_rate"]
             result["bare_exact_args_rate"] = bare["exact_args_rate"]
+        if args.answers:
+            answers = score(client, model, answer_rows(generate(args.seed, args.answers, "heldout", plain_share=0.0)),
+                            thinking)
+            result["answer_stop_rate"] = answers["plain_stop_rate"]
+            result["answer_exact_rate"] = answers["plain_exact_rate"]
         if args.loops:
             result["loop_probe"] = f"{loop_probe(client, model)} of {len(LOOP_PROBE)} at the cap"
     finally:

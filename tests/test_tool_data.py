@@ -277,3 +277,19 @@ def test_bare_split_asks_with_the_request_alone():
         request = row["messages"][row["eval_turn"] - 1]["content"]
         assert request[0].isupper() and not any(request.startswith(w) for w in wrapped), request
         assert not any(request.endswith(c) for c in set(CLOSERS_TRAIN + CLOSERS_HELDOUT) - {""}), request
+
+
+def test_answer_rows_send_the_results_as_the_openai_sdk_does_and_expect_the_final_sentence():
+    """eval_tool_calls.py --answers: a held-out tool conversation up to its results, none carrying `name`,
+    so the prompt heads each result "tool"; the expected text is the conversation's final answer."""
+    from eval_tool_calls import answer_rows
+
+    rows = generate(1, 30, "heldout", plain_share=0.0)
+    cut = answer_rows(rows)
+    assert len(cut) == 30 and all("name" in m for r in rows for m in r["messages"] if m["role"] == "tool")
+    for row, original in zip(cut, rows):
+        prompt = row["messages"][: row["eval_turn"]]
+        assert prompt[-1]["role"] == "tool" and not any("name" in m for m in prompt if m["role"] == "tool")
+        assert row["expect"] == {"kind": "text", "content": original["messages"][-1]["content"]}
+        rendered = render_prompt(prompt, row["tools"], dialect="k2.6")
+        assert "<|im_system|>tool<|im_middle|>## Return of functions." in rendered
