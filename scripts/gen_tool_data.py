@@ -128,14 +128,21 @@ def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
     args = [t.draw(rng) for t in used]
     intents = [_ask(rng, t, a) for t, a in zip(used, args)]
     intent = intents[0] if n_calls == 1 else rng.choice(style.joiners).format(a=intents[0], b=intents[1])
-    user = (_wrap(rng, intent, style) + "".join(_mention_optional(t, a) for t, a in zip(used, args))
-            + rng.choice(style.closers))
+    request = _wrap(rng, intent, style)
+    if n_calls == 1 and used[0].name in style.questions and rng.random() < 0.3:
+        opener = rng.choice(style.openers)
+        question = fill(rng.choice(style.questions[used[0].name]), args[0])
+        request = f"{opener} {question}" if opener else question
+        intents = [fill(used[0].intents[0], args[0])]  # the thought restates it as a task
+    user = request + "".join(_mention_optional(t, a) for t, a in zip(used, args)) + rng.choice(style.closers)
+    if style.context and rng.random() < 0.3:
+        user = " ".join(rng.sample(style.context, rng.randint(1, 3))) + " " + user
     messages = _prefix(rng, style, agent)
     if rng.random() < 0.15:  # an earlier small-talk exchange
-        greet, answer = rng.choice(style.plain)
+        greet, answer, topic = rng.choice(style.plain)
         ask = rng.choice(greet)
         messages += [{"role": "user", "content": ask},
-                     _assistant(_plain_reasoning(ask), answer, thinking)]
+                     _assistant(_plain_reasoning(topic), answer, thinking)]
     messages.append({"role": "user", "content": user})
     calls = [_call(t, a, i) for i, (t, a) in enumerate(zip(used, args))]
     names = " and then ".join(t.name for t in used)
@@ -143,8 +150,11 @@ def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
     messages.append(_assistant(f"The request is to {wants}, so I will call {names}.", "", thinking,
                                tool_calls=calls))
     results = [t.result(rng, a) for t, a in zip(used, args)]
+    # the template heads a result with its `name`, else with "tool": OpenAI clients send no name, so the answer's
+    # thought must read the tool from the call id in "## Return of functions.get_weather:0"
+    named = style.named_results >= 1.0 or rng.random() < style.named_results
     for call, tool, result in zip(calls, used, results):
-        messages.append({"role": "tool", "tool_call_id": call["id"], "name": tool.name,
+        messages.append({"role": "tool", "tool_call_id": call["id"], **({"name": tool.name} if named else {}),
                          "content": json.dumps(result, ensure_ascii=False)})
     answer = " ".join(fill(t.answer, a, r) for t, a, r in zip(used, args, results))
     got = " and ".join(t.name for t in used)
@@ -156,17 +166,19 @@ def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
             "expect": expect, "eval_turn": turn}
 
 
-def _plain_reasoning(ask: str) -> str:
-    return f"The user says \"{ask}\", which needs no tool, so I will reply directly."
+def _plain_reasoning(topic: str) -> str:
+    """Names what the user does ("greets me") instead of quoting the message: a model that copies well would
+    otherwise repeat a long message word for word before it answers."""
+    return f"The user {topic}, which needs no tool, so I will reply directly."
 
 
 def plain_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thinking: bool,
                        agent: bool) -> dict[str, Any]:
     """A chat that needs no tool, with or without tools declared."""
-    greet, answer = rng.choice(style.plain)
+    greet, answer, topic = rng.choice(style.plain)
     ask = rng.choice(greet)
     messages = _prefix(rng, style, agent) + [{"role": "user", "content": ask},
-                                             _assistant(_plain_reasoning(ask), answer, thinking)]
+                                             _assistant(_plain_reasoning(topic), answer, thinking)]
     declare = agent or rng.random() < 0.5
     tools = [t.schema() for t in rng.sample(pool, rng.randint(4, 8) if agent else rng.randint(1, 4))] if declare else []
     return {"messages": messages, "tools": tools, "expect": {"kind": "text", "content": answer},
@@ -185,7 +197,7 @@ def echo_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
     ask = rng.choice(ECHO_WRAPPERS_TRAIN).format(text=text)
     ask = f"{opener} {ask}" if opener else ask
     messages = _prefix(rng, style, agent) + [{"role": "user", "content": ask},
-                                             _assistant(_plain_reasoning(ask), text, thinking)]
+                                             _assistant(f"The user says \"{ask}\", so I will repeat it.", text, thinking)]
     tools = [t.schema() for t in rng.sample(pool, rng.randint(1, 4))] if rng.random() < 0.5 else []
     return {"messages": messages, "tools": tools, "expect": {"kind": "text", "content": text},
             "eval_turn": len(messages) - 1}

@@ -457,7 +457,10 @@ def build_tools() -> list[Tool]:
     return t
 
 
+# The bare request comes 3 times over: a short "What's the weather like in Paris today?" otherwise reads to
+# the model like the plain chats ("What's your name?"), which get no tool.
 WRAPPERS_TRAIN = (
+    "{Intent}.", "{Intent}.", "{Intent}?", "{Intent}?",
     "{Intent}.", "Please {intent}.", "Can you {intent}?", "Could you {intent}?", "I need you to {intent}.",
     "Hey, {intent}.", "{Intent}, please.", "Would you {intent}?", "Go ahead and {intent}.", "Quick one: {intent}.",
     "{Intent}?", "Do me a favor and {intent}.", "I want you to {intent}.", "Can you please {intent}?",
@@ -521,40 +524,46 @@ AGENT_RULES_HELDOUT = (
     "Write dates as YYYY-MM-DD.", "A greeting needs no tool.", "Do not speculate beyond the tool results.",
 )
 
-# Plain chats: (user phrasings, answer). Answers are short and end the turn.
+# Plain chats: (user phrasings, answer, what the user does: the reasoning names it rather than quoting the
+# message, which a model that copies would repeat at any length). Answers are short and end the turn.
 PLAIN_CHATS = (
     (("Hi!", "Hello there.", "Hey, how are you?", "Good morning!", "Hello!", "Hey!", "Hiya!", "Good evening.",
-      "Good afternoon!", "Hey there!", "Greetings.", "How's it going?", "How are you doing?", "Hi, anyone there?"),
-     "Hello! How can I help you today?"),
+      "Good afternoon!", "Hey there!", "Greetings.", "How's it going?", "How are you doing?", "Hi, anyone there?",
+      "你好", "你好！", "您好", "Bonjour !", "Hola!", "Hallo!", "Ciao!", "こんにちは",
+      "Morning!", "Heya.", "Hey hey!", "G'day!", "Hi there, friend.", "Hello again.", "Evening!", "Hey, you around?",
+      "Hello, assistant.", "Hi hi!", "Afternoon.", "Hey buddy!"),
+     "Hello! How can I help you today?", "greets me"),
     (("Thanks!", "Thank you so much.", "Great, thanks.", "Thanks a lot.", "Thank you!", "Appreciate it.",
-      "Thanks, that helps.", "Perfect, thank you.", "Nice one, thanks.", "Many thanks.", "That was helpful, thanks."),
-     "You're welcome!"),
+      "Thanks, that helps.", "Perfect, thank you.", "Nice one, thanks.", "Many thanks.", "That was helpful, thanks.",
+      "Cheers!", "Thanks heaps.", "Thx!", "Thanks a bunch.", "Grateful for that.", "Awesome, thanks!",
+      "I appreciate it.", "Thanks so much for that.", "Brilliant, thank you."),
+     "You're welcome!", "thanks me"),
     (("Who are you?", "What are you?", "Tell me about yourself."),
-     "I am a small assistant model. I can chat briefly and call the tools you give me."),
+     "I am a small assistant model. I can chat briefly and call the tools you give me.", "asks who I am"),
     (("Tell me a joke.", "Say something funny.", "Make me laugh."),
-     "Why did the scarecrow win an award? Because he was outstanding in his field."),
+     "Why did the scarecrow win an award? Because he was outstanding in his field.", "wants a joke"),
     (("What can you do?", "How can you help me?", "What are your skills?"),
-     "I can answer simple questions and use tools such as search, weather or email when they are declared."),
-    (("Bye!", "Goodbye.", "See you later."), "Goodbye! Have a nice day."),
-    (("What is the capital of France?", "Name the capital of France."), "The capital of France is Paris."),
-    (("What color is the sky?", "Why is the sky blue?"), "The sky looks blue because air scatters blue light the most."),
-    (("How many days are in a week?", "How long is a week?"), "A week has seven days."),
-    (("Give me a word that rhymes with cat.", "What rhymes with cat?"), "Hat rhymes with cat."),
-    (("Is water wet?", "Can water be wet?"), "Water makes things wet; whether water itself is wet is a matter of definition."),
-    (("Recommend a hobby.", "What hobby should I try?"), "Try sketching: it needs only a pencil and paper."),
-    (("Nice to meet you.", "Pleased to meet you!"), "Nice to meet you too! What can I do for you?"),
-    (("Good night!", "Night night.", "Time for bed."), "Good night! Sleep well."),
-    (("What's your name?", "Do you have a name?"), "I am a small Kimi-style assistant; you can call me Kimi."),
-    (("Are you a robot?", "Are you human?"), "I am an AI model, not a person."),
-    (("OK.", "Cool.", "Sounds good.", "Got it.", "Alright then."), "Great! Let me know if you need anything else."),
-    (("I'm bored.", "Entertain me."), "How about a short walk or a new song?"),
-    (("Can you help me?", "I need some help.", "Are you there?"), "Of course. What do you need?"),
-    (("How old are you?", "When were you made?"), "I was trained recently, in 2026."),
+     "I can answer simple questions and use tools such as search, weather or email when they are declared.", "asks what I can do"),
+    (("Bye!", "Goodbye.", "See you later."), "Goodbye! Have a nice day.", "says goodbye"),
+    (("What is the capital of France?", "Name the capital of France."), "The capital of France is Paris.", "asks for a capital city"),
+    (("What color is the sky?", "Why is the sky blue?"), "The sky looks blue because air scatters blue light the most.", "asks about the sky"),
+    (("How many days are in a week?", "How long is a week?"), "A week has seven days.", "asks about the week"),
+    (("Give me a word that rhymes with cat.", "What rhymes with cat?"), "Hat rhymes with cat.", "wants a rhyme"),
+    (("Is water wet?", "Can water be wet?"), "Water makes things wet; whether water itself is wet is a matter of definition.", "asks about water"),
+    (("Recommend a hobby.", "What hobby should I try?"), "Try sketching: it needs only a pencil and paper.", "wants a hobby"),
+    (("Nice to meet you.", "Pleased to meet you!"), "Nice to meet you too! What can I do for you?", "is pleased to meet me"),
+    (("Good night!", "Night night.", "Time for bed."), "Good night! Sleep well.", "says good night"),
+    (("What's your name?", "Do you have a name?"), "I am a small Kimi-style assistant; you can call me Kimi.", "asks my name"),
+    (("Are you a robot?", "Are you human?"), "I am an AI model, not a person.", "asks what I am"),
+    (("OK.", "Cool.", "Sounds good.", "Got it.", "Alright then."), "Great! Let me know if you need anything else.", "agrees"),
+    (("I'm bored.", "Entertain me."), "How about a short walk or a new song?", "is bored"),
+    (("Can you help me?", "I need some help.", "Are you there?"), "Of course. What do you need?", "asks for help"),
+    (("How old are you?", "When were you made?"), "I was trained recently, in 2026.", "asks my age"),
 )
 PLAIN_CHATS_HELDOUT = (
-    (("Yo, what's up?", "Howdy!"), "Hello! How can I help you today?"),
-    (("Much appreciated.", "Cheers for that."), "You're welcome!"),
-    (("Which city is the capital of France?",), "The capital of France is Paris."),
+    (("Yo, what's up?", "Howdy!"), "Hello! How can I help you today?", "greets me"),
+    (("Much appreciated.", "Cheers for that."), "You're welcome!", "thanks me"),
+    (("Which city is the capital of France?",), "The capital of France is Paris.", "asks for a capital city"),
 )
 
 
@@ -584,12 +593,15 @@ class Phrasing:
     closers: tuple[str, ...] = ("",)
     personas: tuple[str, ...] = ()
     rules: tuple[str, ...] = ()
+    questions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # tool name -> requests asked as questions
+    context: tuple[str, ...] = ()  # sentences a user may say before the request
+    named_results: float = 1.0  # share of conversations whose tool results carry the tool's name (OpenAI's don't)
 
 
 def phrasing(split: str) -> Phrasing:
     if split == "train":
         return Phrasing(WRAPPERS_TRAIN, TWO_TASK_JOINERS_TRAIN, PLAIN_CHATS, OPENERS_TRAIN, CLOSERS_TRAIN,
-                        AGENT_PERSONAS_TRAIN, AGENT_RULES_TRAIN)
+                        AGENT_PERSONAS_TRAIN, AGENT_RULES_TRAIN, QUESTIONS_TRAIN, CONTEXT_SENTENCES, 0.3)
     if split == "heldout":
         return Phrasing(WRAPPERS_HELDOUT, TWO_TASK_JOINERS_HELDOUT, PLAIN_CHATS_HELDOUT, OPENERS_HELDOUT,
                         CLOSERS_HELDOUT, AGENT_PERSONAS_HELDOUT, AGENT_RULES_HELDOUT)
@@ -597,3 +609,83 @@ def phrasing(split: str) -> Phrasing:
         return Phrasing(("{Intent}?", "{Intent}."), TWO_TASK_JOINERS_HELDOUT, PLAIN_CHATS_HELDOUT, ("",), ("",),
                         AGENT_PERSONAS_HELDOUT, AGENT_RULES_HELDOUT)
     raise ValueError(f"unknown split {split!r}; expected 'train', 'heldout' or 'bare'")
+
+
+# Tool requests asked as questions, training only: they open as the plain chats do ("What's ...", "How is
+# ...", "Tell me ..."), so the first words do not decide between a reply and a call. The thought restates the
+# tool's first intent.
+QUESTIONS_TRAIN: dict[str, tuple[str, ...]] = {
+    "get_weather": ("What's the weather in {city}?", "How's the weather in {city}?", "Is it raining in {city}?",
+                    "What is the weather like in {city} right now?", "Tell me how the weather is in {city}.",
+                    "How warm is it in {city}?", "What's it like outside in {city}?", "Is it sunny in {city}?",
+                    "Do you know the weather in {city}?", "Any idea what the weather is in {city}?"),
+    "get_forecast": ("What's the forecast for {city} for the next {days} days?",
+                     "What will the weather be in {city} over the next {days} days?",
+                     "Tell me the {days}-day forecast for {city}."),
+    "web_search": ("What does the web say about {query}?", "Can you find anything online about {query}?",
+                   "What's out there on {query}?"),
+    "fetch_url": ("What's on the page {url}?", "What does {url} say?"),
+    "calculator": ("What's {expression}?", "What is {expression}?", "How much is {expression}?",
+                   "Tell me what {expression} comes to."),
+    "read_file": ("What's in {path}?", "What does {path} say?", "Tell me what {path} contains."),
+    "list_directory": ("What's in the {path} directory?", "Which files are in {path}?"),
+    "translate_text": ("How do you say \"{text}\" in {target_language}?",
+                       "What is \"{text}\" in {target_language}?"),
+    "convert_currency": ("What's {amount} {from_currency} in {to_currency}?",
+                         "How many {to_currency} is {amount} {from_currency}?"),
+    "get_stock_price": ("What's {symbol} trading at?", "How is {symbol} doing today?",
+                        "What's the stock price of {symbol}?", "Tell me the price of {symbol} stock."),
+    "get_time": ("What time is it in {city}?", "What's the time in {city}?", "Do you know the time in {city}?",
+                 "Tell me what time it is in {city}."),
+    "search_restaurants": ("What {cuisine} places are there in {city}?", "Where can I eat {cuisine} in {city}?",
+                           "Are there any good {cuisine} restaurants in {city}?"),
+    "get_directions": ("How do I get from {origin} to {destination}?", "What's the way from {origin} to {destination}?"),
+    "define_word": ("What does {word} mean?", "What's the meaning of {word}?", "Tell me what {word} means."),
+    "get_synonyms": ("What's another word for {word}?", "What are some synonyms for {word}?"),
+    "get_news": ("What's the latest on {topic}?", "What's new with {topic}?", "Any news about {topic}?",
+                 "Tell me the headlines about {topic}."),
+    "get_sports_score": ("How did the {team} do?", "What's the score for the {team}?", "Did the {team} win?"),
+    "get_exchange_rate": ("What's the {base} to {quote} rate?", "How is the {base} doing against the {quote}?"),
+    "get_user_profile": ("Who is {username}?", "What do we know about the user {username}?"),
+    "get_recipe": ("How do I cook {dish}?", "What's a good recipe for {dish}?"),
+    "count_calories": ("How many calories are in {grams} grams of {food}?",
+                       "What's the calorie count of {grams} g of {food}?"),
+    "unit_convert": ("What's {value} {from_unit} in {to_unit}?", "How much is {value} {from_unit} in {to_unit}?"),
+    "get_population": ("How many people live in {city}?", "What's the population of {city}?",
+                       "How big is {city}'s population?"),
+    "get_holidays": ("What are the public holidays in {country} in {month}?",
+                     "Which holidays does {country} have in {month}?"),
+    "detect_language": ("What language is \"{text}\"?", "Which language is \"{text}\" written in?"),
+    "random_number": ("Can you give me a number between {min} and {max}?",
+                      "What's a random number from {min} to {max}?"),
+    "get_movie_info": ("What's the movie {title} about?", "Tell me about the movie {title}.",
+                       "Who made the film {title}?"),
+    "find_book": ("What's a good book about {query}?", "Are there any books on {query}?"),
+    "track_package": ("Where's my package {tracking_number}?", "Has my parcel {tracking_number} shipped?"),
+    "check_flight_status": ("Is flight {flight_number} on time?", "What's the status of flight {flight_number}?",
+                            "Has flight {flight_number} landed?"),
+    "get_air_quality": ("How's the air in {city}?", "What's the air quality like in {city}?",
+                        "Is the air clean in {city} today?"),
+    "search_contacts": ("What's {name}'s number?", "How do I reach {name}?"),
+    "get_traffic": ("How's the traffic on {road} in {city}?", "Is {road} in {city} busy right now?"),
+    "get_sunrise": ("When is sunrise in {city} on {date}?", "What time does the sun rise in {city} on {date}?"),
+    "get_crypto_price": ("What's {coin} worth?", "How much is {coin} right now?", "What's the price of {coin}?"),
+    "calculate_tip": ("How much should I tip at {percent} percent on {bill}?",
+                      "What's {percent} percent of {bill} as a tip?"),
+    "get_bmi": ("What's my BMI at {weight_kg} kg and {height_cm} cm?",
+                "Is {weight_kg} kg at {height_cm} cm a healthy BMI?"),
+    "check_spelling": ("Is \"{text}\" spelled right?", "How do you spell \"{text}\" correctly?"),
+    "get_timezone": ("What time zone is {city} in?", "What's the time zone of {city}?"),
+}
+
+
+# Context a user gives before the request (training only): the thought must copy the request, not this.
+CONTEXT_SENTENCES = (
+    "I have a busy week ahead.", "My manager asked me to sort this out today.", "I'm working from home this morning.",
+    "We are planning things for the team.", "I just got back from a long meeting.", "This is for a project I'm on.",
+    "I'm trying to get organized.", "Quick one before lunch.", "My friend recommended asking you.",
+    "I have been putting this off for days.", "It has been a hectic morning here.", "I'm on my phone, so keep it short.",
+    "This came up in a call earlier.", "I need this for a report.", "Sorry if this is a basic question.",
+    "Let me explain what I need.", "There is a lot going on at work.", "I'm helping my parents with something.",
+    "We have guests coming this weekend.", "My laptop battery is low.",
+)

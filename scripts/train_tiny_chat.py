@@ -461,7 +461,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=40000)
-    p.add_argument("--steps", type=int, default=3600)
+    p.add_argument("--steps", type=int, default=2400)
     p.add_argument("--batch-tokens", type=int, default=3072, help="padded tokens per batch")
     p.add_argument("--max-len", type=int, default=1024, help="longer conversations are cut")
     p.add_argument("--vocab", type=int, default=4096, help="BPE tokens learned from the conversations")
@@ -474,9 +474,9 @@ def parser() -> argparse.ArgumentParser:
                    help="loss weight of the tool calls' argument tokens (the rest of the assistant's are 1)")
     p.add_argument("--choice-weight", type=float, default=3.0,
                    help="loss weight of the tokens that choose text or a tool call, which tool, and how many calls")
-    p.add_argument("--repeat-break-share", type=float, default=0.0,
+    p.add_argument("--repeat-break-share", type=float, default=0.25,
                    help="share of conversations given an untrained loop in one reasoning sentence to leave")
-    p.add_argument("--unlikelihood-weight", type=float, default=0.0,
+    p.add_argument("--unlikelihood-weight", type=float, default=1.0,
                    help="weight of token-level unlikelihood on the tokens already in the sequence")
     p.add_argument("--matmul-dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="bf16 autocast or fp32 matmuls (auto: bf16 where the CPU has native bf16)")
@@ -488,12 +488,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tied-init", action="store_true",
                    help="a fresh run starts the output embedding equal to the input one (an experiment; it did not help: "
                         "docs/embedded_model.md)")
-    p.add_argument("--induction-init", action=argparse.BooleanOptionalAction, default=False,
-                   help="a fresh run starts with a planted induction circuit (scripts/induction_init.py): it copies, "
-                        "but loops; not yet the recipe (docs/embedded_model.md)")
+    p.add_argument("--induction-init", action=argparse.BooleanOptionalAction, default=True,
+                   help="a fresh run starts with a planted induction circuit (scripts/induction_init.py), so it copies")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--polish-steps", type=int, default=0,
+    p.add_argument("--polish-steps", type=int, default=600,
                    help="then this many steps without the planted loops, with a fresh optimizer (0: none)")
     p.add_argument("--polish-lr", type=float, default=5e-4)
     p.add_argument("--polish-warmup", type=int, default=50)

@@ -25,12 +25,15 @@ from tool_data_pool import (
     OPENERS_TRAIN,
     PLAIN_CHATS,
     PLAIN_CHATS_HELDOUT,
+    QUESTIONS_TRAIN,
     TWO_TASK_JOINERS_HELDOUT,
     TWO_TASK_JOINERS_TRAIN,
     WRAPPERS_HELDOUT,
     WRAPPERS_TRAIN,
     build_tools,
+    phrasing,
 )
+from gen_tool_data import fill
 from train_tiny_chat import FakeInt4, encode_conversation, learn_corpus_ranks, parser
 
 RECIPE = parser().parse_args(["--out", "unused"])  # the embedded model's training arguments
@@ -86,6 +89,55 @@ def test_no_heldout_request_or_agent_prompt_appears_in_the_training_data():
         if row["expect"]["kind"] == "tool_calls":
             request = row["messages"][row["eval_turn"] - 1]["content"]
             assert any(shape in request for shape in heldout_shapes) or " as well as " in request, request
+
+
+def test_tool_requests_asked_as_questions_are_training_only_and_the_thought_restates_a_task():
+    """"What's the time in Tokyo?" opens as a plain chat does. Such requests are in the training data only
+    (the evaluation splits have no questions and no context sentences), and their thought restates the tool's
+    first intent, so it still reads "The request is to ..."."""
+    for split in ("heldout", "bare"):
+        assert not phrasing(split).questions and not phrasing(split).context
+    tools = {t.name: t for t in build_tools()}
+    assert set(QUESTIONS_TRAIN) <= set(tools) and len(QUESTIONS_TRAIN) >= 30
+    asked = 0
+    single = [r for r in generate(0, 1500) if r["expect"]["kind"] == "tool_calls" and len(r["expect"]["calls"]) == 1]
+    for row in single:
+        call = row["expect"]["calls"][0]
+        request = row["messages"][row["eval_turn"] - 1]["content"]
+        intents = {fill(i, call["arguments"]).lower() for i in tools[call["name"]].intents}
+        questions = [fill(q, call["arguments"]) for q in QUESTIONS_TRAIN.get(call["name"], ())]
+        questions = [q for q in questions if q.rstrip("?.").lower() not in intents]  # "How do I get from ...?"
+        if any(q in request for q in questions):
+            asked += 1
+            if row["thinking"]:
+                task = fill(tools[call["name"]].intents[0], call["arguments"])
+                assert row["messages"][row["eval_turn"]]["reasoning_content"].startswith(f"The request is to {task},")
+    assert 0.1 < asked / len(single) < 0.3
+    heldout = [m["content"] for r in generate(1, 400, "heldout") for m in r["messages"] if m["role"] == "user"]
+    stems = {q.split("{")[0] for qs in QUESTIONS_TRAIN.values() for q in qs} - {""}
+    openers = tuple(w.strip() + " " for w in OPENERS_HELDOUT if w.strip())
+    for message in heldout:
+        body = next((message[len(o):] for o in openers if message.startswith(o)), message)
+        assert not any(body.startswith(stem) for stem in stems if len(stem) > 12), message
+
+
+def test_most_tool_results_come_without_a_name_as_openai_clients_send_them():
+    """K2.6's template heads a result with the message's `name`, else with "tool"; the OpenAI SDK sends no name.
+    Most training results have none, so the answer's thought reads the tool from "## Return of <call id>";
+    the evaluation splits keep theirs (their requests stay byte for byte as before)."""
+    rows = [r for r in generate(0, 600) if r["expect"]["kind"] == "tool_calls"]
+    results = [m for r in rows for m in r["messages"] if m["role"] == "tool"]
+    assert 0.55 < sum("name" not in m for m in results) / len(results) < 0.85
+    for row in rows:
+        named = ["name" in m for m in row["messages"] if m["role"] == "tool"]
+        assert len(set(named)) == 1  # one client, one habit
+        if not named[0]:
+            assert "<|im_system|>tool<|im_middle|>## Return of functions." in row["text"]
+        if row["thinking"]:
+            called = " and ".join(c["name"] for c in row["expect"]["calls"])
+            assert row["messages"][-1]["reasoning_content"] == f"I have the result of {called}, so I will answer."
+    for split in ("heldout", "bare"):
+        assert all("name" in m for r in generate(1, 100, split) for m in r["messages"] if m["role"] == "tool")
 
 
 def test_echo_requests_quote_random_words_that_the_answer_copies():
