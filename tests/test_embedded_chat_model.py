@@ -113,11 +113,12 @@ def test_thinking_off_still_calls_the_tool_without_reasoning(server, ctx):
 
 
 def test_held_out_conversations_call_the_right_tool_and_plain_chats_stop(server, ctx):
-    """A small held-out sample (another seed, phrasings never trained on): 64% right tool, 12% exact arguments
-    and 60% plain stops when trained; a random model makes no tool call. The README's figures come from
+    """A small held-out sample (another seed, phrasings never trained on): 64% right tool, 44% exact arguments
+    and 100% plain stops when trained; a random model makes no tool call, and one that does not copy (the
+    model shipped before, 12%) fails the arguments floor. The README's figures come from
     `python scripts/eval_tool_calls.py --count 200 --seed 1`."""
     rows = generate(seed=7, count=40, split="heldout")
     result = score(openai_client(server), ctx.model_name, rows)
     assert result["tool_call_rate"] >= 0.5, result["failures"]
-    assert result["exact_args_rate"] >= 0.04, result["failures"]
-    assert result["plain_stop_rate"] >= 0.5, result["failures"]
+    assert result["exact_args_rate"] >= 0.3, result["failures"]
+    assert result["plain_stop_rate"] >= 0.8, result["failures"]
