@@ -28,7 +28,7 @@ from kserve.engine.sampling_params import SamplingParams
 from kserve.engine.scheduler import Scheduler
 from kserve.engine.seeds import completion_seed
 from kserve.engine.sequence import Sequence
-from kserve.engine.speculative import SpecDecodeStats, SpeculativeConfig, make_proposer
+from kserve.engine.speculative import NgramProposer, Proposer, SpecDecodeStats, SpeculativeConfig
 from kserve.engine.stop_tokens import collect_eos_ids
 from kserve.model import kv_cache_bytes_per_token
 
@@ -58,6 +58,15 @@ PROBE_PREFIX = "kserve-probe-"  # one-token requests the engine runs itself to t
 
 def _is_token_id(value: Any, vocab: int) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < vocab
+
+
+def make_proposer(config: SpeculativeConfig, model: Any, device: Any, dtype: Any) -> Proposer:
+    """The proposer a configuration names (an EAGLE-3 draft is loaded beside the target model, on rank 0)."""
+    if config.method == "ngram":
+        return NgramProposer(config)
+    from kserve.engine.eagle3 import Eagle3Proposer
+
+    return Eagle3Proposer(config, model, device, dtype)
 
 
 class LLMEngine:

@@ -157,17 +157,3 @@ def layout_for_serve(
     if not headless and node_rank != 0:
         raise ValueError(f"--node-rank {node_rank} holds no HTTP server: start it with --headless")
     return layout
-
-
-def run_headless(layout: RankLayout, model_dir: str | None, device: str, dtype: str) -> int:
-    """`kserve serve --headless` (or a torchrun rank other than 0): this node's worker ranks until rank 0
-    stops them; the exit status is non-zero if anything failed (rank 0 gone, a local rank lost)."""
-    from kserve.engine.device import resolve_device, resolve_dtype
-    from kserve.engine.tp_workers import run_headless_node
-
-    resolved = resolve_device(device)
-    if model_dir is None:
-        from kserve.tiny import embedded_model_dir
-
-        model_dir = str(embedded_model_dir())
-    return run_headless_node(layout, model_dir, resolved, resolve_dtype(dtype, resolved))

@@ -145,12 +145,3 @@ class SpecDecodeStats:
     def mean_accepted_length(self) -> float:
         """Tokens a verify step yields per sequence: the accepted drafts plus the target's own token."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-
-def make_proposer(config: SpeculativeConfig, model: Any, device: Any, dtype: Any) -> Proposer:
-    """The proposer a configuration names (an EAGLE-3 draft is loaded beside the target model, on rank 0)."""
-    if config.method == "ngram":
-        return NgramProposer(config)
-    from kserve.engine.eagle3 import Eagle3Proposer
-
-    return Eagle3Proposer(config, model, device, dtype)

@@ -203,6 +203,19 @@ class _LocalRanks:
                 proc.join(2)
 
 
+def run_headless(layout: RankLayout, model_dir: str | None, device: str, dtype: str) -> int:
+    """`kserve serve --headless` (or a torchrun rank other than 0): this node's worker ranks until rank 0
+    stops them; the exit status is non-zero if anything failed (rank 0 gone, a local rank lost)."""
+    from kserve.engine.device import resolve_device, resolve_dtype
+
+    resolved = resolve_device(device)
+    if model_dir is None:
+        from kserve.tiny import embedded_model_dir
+
+        model_dir = str(embedded_model_dir())
+    return run_headless_node(layout, model_dir, resolved, resolve_dtype(dtype, resolved))
+
+
 def run_headless_node(layout: RankLayout, model_dir: str | Path, device: str | torch.device,
                       dtype: torch.dtype) -> int:
     """A node without the HTTP server: its ranks run worker loops until rank 0 shuts them down (0), or

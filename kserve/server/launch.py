@@ -92,11 +92,7 @@ def _uvicorn_config(settings: ServerSettings, loader: EngineLoader | None,
 
 
 def run_server(args: argparse.Namespace) -> int:
-    from kserve.engine.rank_launch import (
-        RANK_LAYOUT_KEY,
-        layout_for_serve,
-        run_headless,
-    )
+    from kserve.engine.rank_launch import RANK_LAYOUT_KEY, layout_for_serve
 
     try:
         layout = layout_for_serve(
@@ -115,6 +111,8 @@ def run_server(args: argparse.Namespace) -> int:
         local = layout.spawned_ranks or [layout.this_rank]
         logger.info("kserve headless node %d: ranks %d..%d of %d, rank 0 at %s:%s", layout.node_rank,
                     layout.this_rank, local[-1], layout.world_size, layout.master_addr, layout.master_port)
+        from kserve.engine.tp_workers import run_headless
+
         return run_headless(layout, args.model_dir, args.device, args.dtype)
     try:
         settings = settings_from_args(args)
