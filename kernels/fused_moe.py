@@ -1,76 +1,9 @@
 """Fused routed-expert MoE: out[t] = sum_k w[t, k] * down(silu(gate(x_t)) * up(x_t)) for expert ids[t, k].
 
-Layout (as RoutedExperts stores it): w13 [E_local, 2I, H] with the gate rows first, w2 [E_local, H, I].
-`topk_ids` hold GLOBAL expert ids; this rank owns [first_expert, first_expert + E_local). Pairs routed
-to other expert-parallel ranks contribute exactly zero, decided on the device (no host read).
-
-FP8 (w8a8 block, as DeepSeek-V3 / vLLM run it): with `w13_scale` [E, ceil(2I/B0), ceil(H/B1)] and
-`w2_scale` [E, ceil(H/B0), ceil(I/B1)] the weights hold float8_e4m3fn values (or fp32/fp16 containers of
-them) and the real weight is W_q * scale per B0 x B1 block. Activations are quantized per token in 1 x B1
-groups exactly as `fp8_quant.quantize_per_token_group_torch` does, before the gate/up GEMM (on x) and
-before the down GEMM (on silu(gate) * up, first rounded to x.dtype). Products accumulate in fp32. Without
-scales the weights are dense floats and nothing is quantized.
-
-Numerics shared by every path: the per-(token, slot) expert output is scaled by its routing weight in
-fp32, the top-k outputs are summed in fp32, and the sum is cast to x.dtype once.
-
-Paths
-- `fused_moe_torch`: the reference and the CPU path, with no per-expert Python loop. The strategy is
-  chosen from shapes only (`_use_gather_strategy`):
-  * gather: for few (token, slot) pairs, each pair's expert weights are gathered (dequantized if FP8)
-    and applied with one batched matmul. Decode-sized batches touch only the experts they use.
-  * grouped: pairs are sorted by local expert (remote pairs last) and `torch._grouped_mm` runs one GEMM
-    per expert segment from device-side offsets (it works on CPU in torch 2.13 for fp32/bf16/fp16;
-    rows past the last offset come back uninitialized and are masked out). FP8 weights are dequantized
-    whole once per call, which is what the per-expert loop ends up doing when every expert is hit.
-  FP8 dequantization on CPU moves e4m3 bits into float16 fields (exact, vectorized) instead of torch's
-  scalar fp8 cast, in cache-sized bands of 128 rows (a loop whose trip count comes from shapes only).
-- `fused_moe_triton` (kernels in fused_moe_triton_kernels.py): `align_pairs_to_experts` (torch ops,
-  static sizes) sorts the pairs by local expert and pads every expert's segment to BLOCK_M (vLLM's
-  moe_align_block_size idea); padding and remote pairs carry the sentinel id T*k, blocks past the last
-  segment carry expert -1 and exit at once. Kernel 1 is a grouped GEMM over sorted pairs computing the
-  gate and up tiles of the same columns side by side and storing silu(gate) * up; kernel 2 is the down
-  GEMM with the routing weight applied in the epilogue, written per pair into a zeroed fp32 [T*k, H]
-  buffer that torch sums over k. FP8 weight blocks are scaled in-kernel once per K step (BLOCK_K = B1:
-  one activation group and one weight block per step; the fp8 partial product is promoted to fp32 before
-  scaling, never accumulated in fp8). With FP8, kernel 1 also does both activation quantizations: each
-  [BLOCK_M, 128] tile of x it loads is one group per row, and its [BLOCK_M, 128] tile of h (BLOCK_N =
-  the group) is one group of h per row, quantized in the epilogue and stored as fp8 plus scales. The
-  rounding is done in fp32/integer arithmetic (round-half-even onto the e4m3 grid, div_rn) so it equals
-  quantize_per_token_group_torch bit for bit, on the GPU and in the interpreter alike; this saves the
-  launches of two separate quantization passes (about 16 small kernels a layer). `fuse_quant=False`
-  keeps those passes (the torch reference between the kernels), which the tests use to prove the
-  fused rounding exact.
-- `torch.ops.kserve.fused_moe` / `fused_moe`: what the model calls. Triton on CUDA (sm89+ when the
-  weights are fp8), the torch path otherwise; `register_fake` makes it traceable with no host reads.
-- `fused_moe(..., batch_invariant=True)` (the layers' batch-invariant mode): a token's output does not depend on
-  which other tokens hit its experts. Both paths above run one GEMM per expert segment whose M is the
-  number of pairs that expert got (the grouped GEMM's kernel, the gather strategy's choice, the Triton
-  tile from rows per expert), so they are batch-variant. Here the torch path sorts the pairs by expert
-  (one host read of the segment ends) and runs each segment through GEMMs of a fixed row count
-  (kserve.kernels.batch_invariant.matmul_rows), silu without a scalar tail, and the top-k sum as adds in
-  slot order; Triton runs one tile config for every batch (`batch_invariant_tile_config`: a pair's
-  BLOCK_M-row block computes each row alone) and the same fixed-order top-k sum.
-
-Tiles for H200 (`choose_tile_config`; not tuned on hardware yet, reasoned from the K2 decode shapes of
-one expert-parallel rank: 48 local experts, H 7168, I 2048, top-8, T = 1 / 64 / 256). Those steps are
-memory bound: even at T=256 a rank sees about 256 local pairs, ~5 per expert, so the cost is reading each
-hit expert's weights once (3 * I * H bytes = 42 MiB per expert in fp8, 2 GiB for all 48). So:
-  * BLOCK_M from rows per local expert, estimated as T*k / E_local (an upper bound under expert
-    parallelism): 16 (tl.dot's minimum) up to 64. A larger BLOCK_M than needed only costs idle MMA rows,
-    while a too-small one re-reads the expert's weights once per extra block.
-  * BLOCK_K = 128 (the FP8 group). Kernel 1's BLOCK_N is the group (128) with FP8, so that its h tile
-    is one quantization group; a hit expert then spreads over I/128 = 16 programs per block. At T=1 a
-    rank holds about one of the 8 pairs, so kernel 1 runs on ~16 of 132 SMs: a 64-wide tile would
-    quadruple that but needs the separate quantization pass back (~16 launches, more than the ~10 us an
-    expert's weights take to read). To measure on hardware; split-K for kernel 1 at tiny T is the
-    likelier fix. Kernel 2 uses BLOCK_N = 64 for small M, so one hit
-    expert spreads over H/64 = 112 programs, and 128 once BLOCK_M reaches 64. Dense weights use
-    BLOCK_K = 64 and BLOCK_N = 64/128 in both kernels.
-  * num_warps 4, num_stages 3: per stage kernel 1 holds A [BM, 128] + two B [128, 128] tiles, 40 KiB in
-    fp8 at BM=64 (120 KiB for 3 stages), inside the H200's 228 KiB of shared memory per SM.
-  The static block count, ceil((T*k + E_local*(BLOCK_M-1)) / BLOCK_M), is what makes the launch
-  CUDA-graph-capturable; at T=1 most of those programs read one int and return.
+Dense or block-FP8 weights (w13 [E_local, 2I, H], gate rows first; w2 [E_local, H, I]); `topk_ids` are global
+and pairs routed to other expert-parallel ranks add zero, decided on the device. `fused_moe` is the custom op
+the model calls: Triton on CUDA, the loop-free torch reference elsewhere, traceable through its fake. Paths,
+numerics, the batch-invariant mode and the H200 tile reasoning: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,78 +1,10 @@
 """Paged MLA decode attention in the absorbed form: one query token per sequence.
 
-After W_UK is absorbed into the query, decode attention of MLA is multi-query attention with a single
-shared key/value head of width C + R (K2: kv_lora_rank C = 512, qk_rope_head_dim R = 64, so 576):
-
-    score[b, h, t] = scale * (q_lat[b, h] . c_kv[t] + q_pe[b, h] . k_pe[t])
-    o_lat[b, h]    = sum_t softmax_t(score[b, h, :]) * c_kv[t]
-
-where the cache row of token t (one layer, [num_blocks, block_size, C + R]) is c_kv[t] followed by
-k_pe[t], and token t of sequence b lives at block block_tables[b, t // block_size], offset
-t % block_size. An FP8 (float8_e4m3fn) cache stores latent / kv_scale, so every cached value is
-`stored * kv_scale`; the kernels fold kv_scale into the softmax scale and into the output instead of
-dequantizing the tiles. A row whose context length is 0 (a padding row of a CUDA-graph batch) gives
-zeros. Output is fp32; the caller casts.
-
-Public entry points
-- `mla_decode(...)`: what model code calls. Checks shapes and dtypes (never data), then calls the
-  custom op `torch.ops.kserve.mla_decode`, whose fake implementation lets a decode forward be traced
-  under FakeTensorMode / `torch.compile(fullgraph=True)`. The op runs the Triton kernel on CUDA (FP8
-  caches need sm89+, where Triton loads float8e4nv) and `mla_decode_torch` otherwise.
-- `mla_decode_torch(...)`: the reference and the CPU path. Loop-free within a chunk of blocks, no
-  host reads (the number of blocks comes from the block table's shape); a long padded context is
-  walked in chunks with an online-softmax merge so that no sequence's whole padded context is held.
-- `mla_decode_triton(...)`: the Triton kernel, also run under TRITON_INTERPRET=1 in the tests with
-  fp32/fp16 caches (and fp32 containers holding FP8 values for the FP8 case).
-
-Triton kernel design for H200 (sm90). There was no GPU to time on, so the tiles were chosen from
-the sm90 resources ptxas reports for ahead-of-time builds (the slow test
-`test_split_kernel_compiles_for_sm90_without_spills` rebuilds the production launches and checks them):
-- Grid (head tiles, batch, KV splits). A program takes BLOCK_H = 16 heads of one sequence (16 is the
-  smallest M of a tensor-core MMA; K2 at TP8 has 8 heads per rank, so one tile covers them all and
-  each latent row is read from HBM once per step, which is the point of MQA) and one contiguous piece
-  of that sequence's context. Heads beyond H are masked. Head tiles are the fastest grid axis, so
-  with more heads (64 without TP) the tiles of one sequence run side by side and share its latent
-  rows through L2. Larger head tiles (32, 64) need 167-255 registers a thread or spill.
-- Tiles: bf16/fp16 caches use BLOCK_N = 32 tokens, 8 warps, 3 stages: 128 registers a thread, no
-  spills, 91 KiB shared memory, latent tiles streamed with cp.async into two buffers; so two CTAs
-  (16 warps) stay resident per SM, each with up to two 36 KiB [32, 576] tiles in flight, above the
-  ~30 KiB per SM that H200's 4.8 TB/s needs at ~1 us latency. With 4 warps the same tile needs 182+
-  registers (one CTA per SM); BLOCK_N = 64 needs 128 (8 warps) to 186 (4 warps) registers and about
-  twice the shared memory for no more bytes in flight per SM. The tile is loaded once in its
-  natural (coalesced) layout and used transposed for Q.K and as is for P.V: c_kv is both key and value.
-- The block ids of a tile are loaded one iteration ahead. Loaded in the same iteration as the
-  latents they address, they limit Triton's pipeliner to a single latent buffer whatever the
-  stage count (the next tile's load then waits for this tile's dots); carried across iterations,
-  they let it double-buffer.
-- FP8 caches (`transposed_k`): loading one fp8 tile and converting it for both dots keeps the
-  latent load out of the async-copy pipeline (172 registers). Loading K as [C, N] and V as [N, C]
-  separately pipelines both (128 registers, 87 KiB, two buffers); the second read of the same rows
-  is served by L1/L2, so HBM traffic is unchanged (half of bf16's).
-- fp32 queries (CPU-parity runs on a GPU) use BLOCK_N = 16 and IEEE fp32 dots (no TF32).
-- Each sequence's own context is cut into `num_splits` pieces (rounded up to BLOCK_N tokens) on the
-  device, so short and long sequences both spread over all splits. `num_splits` comes from shapes
-  only (batch, heads, block-table width), so it is fixed for a CUDA graph: enough programs for two
-  waves of two CTAs per SM (PROGRAMS_PER_SM x 132 SMs); each split covers at least
-  max(128, 32 x heads) tokens, so the fp32 partial outputs (heads x 512 x 4 bytes written and read
-  per split) stay under ~11% of the latent bytes read; at most MAX_SPLITS. With one split the kernel
-  writes the output directly and no merge runs (batch >= 528 at 8 heads).
-- Dots run in the query's dtype (bf16 in the model) with fp32 accumulation; the softmax runs in fp32
-  in the exp2 domain; kv_scale is folded into the exp2 scale and the final output.
-- Splits store a normalized partial output and its log-sum-exp (base 2); a second small kernel
-  merges them per (sequence, head), with an all-empty row (context 0) merging to zeros.
-
-Batch-invariant mode (`mla_decode_batch_invariant`; the model's batch-invariant attention runs every query
-token, prefill ones included, through it): a row's result depends only on its query, its own context and
-the cache. Both paths above are batch-variant: the torch path walks the context in chunks of
-`chunk_elements // (batch * block_size * width)` blocks (so the online-softmax merge points move with the
-batch) and the kernel's `num_splits` comes from the batch. Instead:
-- Triton: one launch for every batch, BATCH_INVARIANT_NUM_SPLITS splits of each row's own context, merged
-  in split order by the merge kernel.
-- torch (`mla_decode_batch_invariant_torch`): the context in tiles of BATCH_INVARIANT_TILE_TOKENS positions
-  counted from position 0, merged by online softmax tile after tile; each (row, tile) score and P.V
-  product is one item of a torch.bmm over BATCH_INVARIANT_GROUP items of one fixed shape (rows of one
-  sequence share its gathered tile, expanded, not copied). exp goes through torch's vectorized exp (no
-  scalar tail) and the reductions run along a row of fixed length, so no value depends on the batch.
+With W_UK absorbed into the query, MLA decode is multi-query attention over one shared latent head of width
+kv_lora_rank + qk_rope_head_dim (576 for K2), read from paged [num_blocks, block_size, 576] caches (bf16/fp16
+or FP8 with a kv_scale). `mla_decode` is the custom op model code calls: Triton on CUDA, `mla_decode_torch`
+elsewhere, traceable through its fake. Kernel design, split-KV choices and the batch-invariant mode:
+docs/kernels.md.
 """
 
 from __future__ import annotations
