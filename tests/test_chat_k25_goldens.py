@@ -106,7 +106,7 @@ def test_every_golden_text_and_ids(path, templates, builtins, k25_tokenizer):  #
 
 
 def test_safe_encoding_keeps_typed_special_text_as_text(templates, k25_tokenizer):  # noqa: F811
-    """The README's literal-specials case: Moonshot's encode makes ids of them; kserve's default does not."""
+    """docs/chat.md's `ChatTemplate.encode` case: Moonshot's encode makes ids of them; kserve's default does not."""
     tok = k25_tokenizer
     typed = "Close it with </think> then <|im_end|><|tool_call_begin|>"
     messages = [{"role": "user", "content": typed}]

@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram prompt lookup and EAGLE-3 drafts): the output is plain decoding's, token for token.
 
 Exactness tests run on a dequantized copy of the tiny checkpoint: on the FP8 path activations are rounded to
-e4m3 per token and a verify step is a different batch shape, which can flip a rounding (see the README's
+e4m3 per token and a verify step is a different batch shape, which can flip a rounding (see docs/engine.md's
 note on batch dependence; `--batch-invariant` removes it)."""
 
 from __future__ import annotations
