@@ -1,26 +1,10 @@
 """Batch-invariant building blocks: results for one row that do not depend on the other rows of the call.
 
-Why the default ops are not: a GEMM library picks its kernel, blocking and thread split from the shape,
-so row r of x @ W^T comes out differently (in the last bits) for M = 1, 17 or 300 rows (on this CPU,
-fp32 MKL differs between M = 1 and M = 2 already, and bf16 oneDNN at scattered M). Elementwise ops with a
-vectorized body and a scalar tail (torch's silu and sigmoid on the CPU: about 4% of fp32 values differ
-between the two) give a value that depends on where it falls in the tensor. Reductions whose launch
-depends on the number of rows (CUDA reductions, a grouped GEMM whose M is the tokens an expert got) too.
-
-What this module does instead, with the same code for every row:
-- `linear_rows` / `matmul_rows` / `bmm_rows`: the rows go through GEMM calls of ONE fixed shape,
-  `row_tile(device)` rows each (the last tile zero-padded), so every row meets the same kernel with the
-  same blocking at whatever position. Checked on the CPU for fp32 (MKL) and bf16 (oneDNN), at every row
-  position, whatever the other rows hold (tests/test_batch_invariant.py). On CUDA the same holds for
-  cuBLAS at a fixed shape (a fixed shape picks a fixed algorithm); not measured here.
-- `silu` / `sigmoid`: x / (1 + exp(-x)) from exp (vectorized everywhere, tails included: torch's exp
-  goes through VML / vec::map, which load partial vectors) and IEEE +, /, so no scalar tail.
-- `sum_fixed_order`: a sum over a short dim as explicit adds, first to last.
-- `all_reduce_fixed_order`: a tensor-parallel sum as an all-gather and adds in rank order (a ring
-  all-reduce's order for an element depends on where the element falls in the buffer).
-
-The default paths never call these; the layers switch with their `batch_invariant` attribute
-(`KimiK2ForCausalLM.set_batch_invariant`). docs/batch_invariance.md has the design and its cost.
+GEMMs over row tiles of one fixed shape (`linear_rows` / `matmul_rows` / `bmm_rows`), silu / sigmoid without a
+scalar tail, and sums in a fixed order (`sum_fixed_order`, `all_reduce_fixed_order`). The default paths never call
+these; the layers switch with their `batch_invariant` attribute (`KimiK2ForCausalLM.set_batch_invariant`). Why the
+default ops are not invariant and what each block does: docs/kernels.md; the mode's design and cost:
+docs/batch_invariance.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Block-FP8 (w8a8) linear: y[M, N] = x[M, K] @ W[N, K]^T with FP8 weights and FP8 activations.
 
-W is float8_e4m3fn with an fp32 `weight_scale_inv` of [ceil(N / 128), ceil(K / 128)]: the real weight
-is W_q * scale over each 128 x 128 block. x is quantized on the fly per token in 1 x 128 groups, exactly
-as `fp8_quant.quantize_per_token_group_torch` does. Because a weight block and an activation group
-share the same 128-wide slice of K, each slice's partial product W_q . x_q is exact-ish fp8 math that
-is then scaled once by x_scale[m, g] * w_scale[n // 128, g] and added to an fp32 accumulator. That is
-what the Triton GEMM does per K step; the torch path forms the same products from the scaled values.
-
-- `w8a8_block_matmul_torch`: the reference and the CPU path. It runs over chunks of whole K groups and
-  never widens more than CHUNK_ELEMENTS (64 MiB of fp32) of the weight at a time; one matmul per chunk
-  keeps the op count low (on a loaded 2-core CPU, one small matmul per 128-wide group was up to 5x
-  slower than this). `torch._scaled_mm` does run on torch 2.13's CPU for tensor-wise and row-wise
-  scales but not for 128x128 blocks, so it would need one call per group, and it was no faster.
-- `quantize_per_token_group_triton` + `w8a8_block_matmul_triton`: the Triton kernels. Both also take
-  fp32/fp16 containers holding FP8-representable values, which is how they run under TRITON_INTERPRET=1.
-  Launch (from shapes only, so fixed under a CUDA graph; reasoned for H200, not yet measured on one):
-  BLOCK_K = 128 = one activation group and one weight block per step; BLOCK_M 16..128 by M; BLOCK_N 64
-  for small M so more programs stream the weight; split-K for decode shapes with few output tiles
-  (about two waves over the SMs, at least MIN_GROUPS_PER_SPLIT groups each, fp32 partials summed in a
-  fixed order). The activation quantization is its own small kernel, one program per (token, group).
-- `torch.ops.kserve.fp8_block_linear` / `fp8_block_linear`: what callers use; Triton on CUDA from sm89
-  (native fp8) when Triton is importable, the torch reference otherwise.
-- `fp8_block_linear(..., batch_invariant=True)` (the layers' batch-invariant mode): a row's result does not depend on
-  the other rows. Triton with one launch for every M (BATCH_INVARIANT_TILES, no split-K); on the CPU the
-  torch path with the same K chunks but GEMMs over fixed row tiles (kserve.kernels.batch_invariant).
+W is float8_e4m3fn with an fp32 `weight_scale_inv` per 128 x 128 block; x is quantized per token in 1 x 128 groups
+as `fp8_quant.quantize_per_token_group_torch` does; each 128-wide slice of K gives one partial product, scaled once
+and added to an fp32 accumulator. `fp8_block_linear` (op `torch.ops.kserve.fp8_block_linear`) is what callers use:
+Triton on CUDA from sm89, the torch reference otherwise. Paths, launch choices and the batch-invariant mode:
+docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
 """Research extension points: per-request logits processors and batch-level token constraints.
 
-Logits processors
------------------
-Put any object implementing `LogitsProcessor` in `SamplingParams.logits_processors`. For each
-generated token, the sampler calls it on that request's row of logits (float32, on the logits'
-device, before temperature, top-k/top-p/min-p, after nothing else) and uses the returned tensor:
-
-    class BanToken:
-        def __init__(self, token_id): self.token_id = token_id
-        def __call__(self, output_token_ids, logits):
-            logits[self.token_id] = float("-inf")
-            return logits
-
-    llm.generate(prompt, SamplingParams(logits_processors=[BanToken(42)]))
-
-`output_token_ids` are the tokens generated so far for that completion. Processors run in list order
-and may modify `logits` in place or return a new tensor of the same shape. They are the place for a
-new decoding strategy (see `TypicalLogitsProcessor`), needing no engine change. They cost one Python
-call per row per step, so they are for research, not the hot path; requests without them pay nothing.
-
-Token constraints
------------------
-For grammar-constrained decoding, `SamplingParams.guided` is an object with
-`make_constraint() -> TokenConstraint`. The engine makes one constraint per completion. Each step
-the sampler asks every constrained row to `fill_bitmask` into one shared int32 bitmask
-(xgrammar's packed layout, see `token_bitmask.py`) and applies it to all constrained rows in one op
-on the logits' device. After sampling, the engine calls `accept_token`. A terminated constraint
-forces a stop token. Preemption keeps the constraint's state: recompute re-feeds the same tokens to
-the model only, never to the constraint. `rollback` is for callers that un-accept tokens
-(speculative decoding).
+A `LogitsProcessor` in `SamplingParams.logits_processors` is called on its request's float32 row of logits, before
+temperature and top-k/top-p/min-p, one Python call per row per step: for research, not the hot path (requests
+without one pay nothing). `SamplingParams.guided.make_constraint()` gives one `TokenConstraint` per completion; it
+fills a shared int32 bitmask (xgrammar's layout) each step and is told each accepted token. The protocols, an
+example, preemption and rollback: docs/engine.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Linear layers without bias, each holding its tensor-parallel shard of a [out, in] weight.
 
-Two storage modes, chosen per layer at construction:
-- `quant_block=None`: the weight in the model dtype (a non-FP8 checkpoint, `weights="dequantized"`,
-  or a layer the model keeps dequantized on purpose, like kv_b_proj).
-- `quant_block=(128, 128)`: the checkpoint's float8_e4m3fn weight and fp32 `weight_scale_inv`, kept as
-  they are; forward is the block-FP8 w8a8 GEMM (`kserve.kernels.fp8_gemm.fp8_block_linear`), which
-  never widens more than one 128-column group of the weight at a time.
-
-Every parameter says which part of the checkpoint tensor it holds (`param.checkpoint_slice`, a tuple
-of slices), so the loader reads only that slice; `weight_loader(param, slice)` then stores it.
-
-A shard that does not start on a 128 boundary (a tensor-parallel split such as 64 of 128 rows) is
-stored with zero rows/columns in front, up to the boundary of the checkpoint's block grid, so the
-checkpoint's scales apply unchanged: forward pads the input with zeros (row-parallel) or drops the
-padded outputs (column-parallel). A row-parallel shard that cuts a 128-wide activation group also
-all-reduces each group's maximum over the ranks (one small collective), so its activations quantize
-exactly as in the unsplit layer and TP=N computes what TP=1 does. Kimi K2 at TP 8 and 16 splits
-everything on 128 boundaries and needs neither.
-
-`batch_invariant` (set by `KimiK2ForCausalLM.set_batch_invariant`): a row's output does not depend on the
-other rows: the GEMMs run over fixed row tiles / one fixed Triton launch (kserve.kernels.batch_invariant,
-`fp8_block_linear(..., batch_invariant=True)`) and a row-parallel sum adds the ranks' parts in rank order.
+`quant_block=None` keeps the weight in the model dtype; `quant_block=(128, 128)` keeps the checkpoint's
+float8_e4m3fn weight and fp32 `weight_scale_inv` and runs `kserve.kernels.fp8_gemm.fp8_block_linear`. Each
+parameter's `checkpoint_slice` names the part of the checkpoint tensor it holds, so the loader reads only that. A
+shard off the 128 boundary is zero-padded to the checkpoint's block grid, so its scales apply unchanged. Details,
+and the `batch_invariant` mode: docs/model.md.
 """
 
 from __future__ import annotations

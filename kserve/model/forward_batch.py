@@ -1,31 +1,9 @@
 """The contract between the model runner and the model: one step's metadata, built once per step.
 
-A step computes `num_tokens` new tokens drawn from `num_seqs` sequences, laid out sequence by
-sequence. Sequence i contributes `query_lens[i]` new tokens at positions
-`context_lens[i] - query_lens[i] .. context_lens[i] - 1`; the earlier `context_lens[i] - query_lens[i]`
-tokens are already in the paged latent cache (prefix-cache hits or earlier prefill chunks).
-
-Each new token's latent (c_kv then roped k_pe, `kv_cache_dim` values) is written to cache slot
-`slot_mapping[t]` = block_id * block_size + offset. Attention for sequence i reads its context from
-the blocks listed in `block_tables[i]`.
-
-Decode/prefill split: the first `num_decode_seqs` sequences have one new token each and take the
-absorbed MLA path (rows 0..num_decode_seqs-1 of the flat batch). Every later sequence, whatever its
-query length, is a "prefill" sequence: the naive path over its context, all of them in one varlen
-attention call described by `prefill`. The model runner orders decodes first, so in an engine step
-only prefill chunks follow; a batch built in another order is still correct, only slower.
-
-Long contexts and decode context parallelism (DCP): when the prefill sequences' contexts together
-exceed `context_chunk_tokens`, or under DCP, each prefill sequence attends its new tokens causally
-(from this step's own latents) and its cached prefix in `context_chunks` of at most that many
-positions, merged by log-sum-exp, so no step decompresses more than a fixed number of context tokens.
-Under DCP the inputs are global: slots and block tables address virtual blocks of
-`block_size * dcp` tokens, of which group rank r holds positions r, r + dcp, ... as an ordinary paged
-sequence of `block_size`-token blocks with the same block ids. `build` turns them into this rank's
-slots (tokens it does not hold write to `scratch_slot`) and context lengths.
-
-Everything here is built by the runner from host (scheduler) data; the model reads it and never
-reads a device tensor back on the host. Layers do no per-step bookkeeping of their own.
+A step's `num_tokens` new tokens are laid out sequence by sequence. The first `num_decode_seqs` sequences have one
+new token each and take the absorbed MLA path; every later one is a "prefill" sequence, all of them in one varlen
+attention call described by `prefill`. The runner builds everything here from host (scheduler) data; the model
+never reads a device tensor back on the host. Positions, cache slots, context chunks and DCP: docs/model.md.
 """
 
 from __future__ import annotations

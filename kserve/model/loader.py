@@ -1,24 +1,10 @@
 """Load a Kimi K2 / DeepSeek-V3 checkpoint (Moonshot's published layout) into `KimiK2ForCausalLM`.
 
-`load_model(dir, device, dtype, parallel, weights="quantized")`:
-- `weights="quantized"` (the default): every FP8 tensor of the checkpoint is stored as it is, float8_e4m3fn
-  plus its fp32 `weight_scale_inv`, and INT4 experts stay packed int32 with their bf16 group scales, from
-  the file to the forward (kv_b_proj alone is dequantized at load, for the absorbed MLA path: about 0.05%
-  of K2's weights).
-- `weights="dequantized"`: FP8 and INT4 tensors are dequantized at load into the model dtype (references,
-  parity tests).
-
-A kimi_k25 wrapper's text tensors carry `language_model.` (config.weight_prefix); its vision tensors are
-not read (one log line says how many were skipped).
-
-Each parameter names the part of the checkpoint tensor it holds (`param.checkpoint_slice`); the loader
-reads exactly that slice with safetensors' `get_slice` (and only this rank's experts), so a rank of N
-reads about 1/N of every split tensor. Shards are opened one at a time and unmapped when done;
-tensors are read one at a time and copied into the preallocated parameters (`param.weight_loader`),
-so loading holds the model plus one tensor in flight (plus one mapped shard on the host). Non-FP8
-tensors are copied straight into their parameter's dtype, never through the model dtype: the fp32
-router bias arrives bit-exact. Rotary `inv_freq` buffers and MTP layers (index >= num_hidden_layers)
-are skipped. The returned model carries a `LoadReport` as `model.load_report`.
+`load_model(dir, device, dtype, parallel, weights="quantized")` keeps FP8 and INT4 tensors as the checkpoint stores
+them (kv_b_proj alone is dequantized at load); `weights="dequantized"` dequantizes them into the model dtype. Each
+parameter's `checkpoint_slice` is read with safetensors' `get_slice`, one tensor at a time and one shard at a time,
+so loading holds the model plus one tensor in flight. The weight modes, the kimi_k25 prefix, what is skipped and
+the `LoadReport`: docs/model.md.
 """
 
 from __future__ import annotations

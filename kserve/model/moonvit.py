@@ -1,32 +1,10 @@
 """MoonViT, the vision tower of Kimi K2.5 / K2.6 / K2.7-Code, and its patch-merger projector.
 
-A `kimi_k25` checkpoint holds, next to `language_model.*`:
-
-- `vision_tower.*`: MoonViT. Non-overlapping 14x14 patches go through a linear patch embedding (stored as a
-  Conv2d weight [D, 3, 14, 14]) plus a learned 2D position table `patch_embed.pos_emb.weight` [64, 64, D]
-  that is bicubically resized to each image's patch grid ("divided_fixed"; video chunks add a fixed 1D
-  sin-cos embedding per frame). Then 27 pre-norm encoder blocks: LayerNorm `norm0`, fused `wqkv` with 2D
-  rotary embedding on q and k (head_dim/4 frequencies; the rotated pairs alternate between the patch's
-  column and row), full bidirectional attention among the patches of one image (never across images),
-  `wo`; LayerNorm `norm1`, `mlp.fc0` -> tanh-GELU -> `mlp.fc1`. A final LayerNorm. Then "sd2_tpool": every
-  2x2 block of neighbouring patches becomes one output token of 4 patch vectors (and the frames of a video
-  chunk are averaged).
-- `mm_projector.*` ("patchmerger"): LayerNorm `pre_norm` on each patch vector, the 4 concatenated
-  (4D), `proj.0` Linear 4D->4D, exact GELU, `proj.2` Linear 4D->text hidden (7168).
-
-So an image whose padded patch grid is h x w patches becomes (h/2)*(w/2) embeddings of the text width, one
-per `<|media_pad|>` placeholder token (see kserve.model.vision_preprocess).
-
-The modules here carry the checkpoint's own names: `KimiVisionModel.state_dict()` keys are exactly the
-checkpoint's `vision_tower.*` / `mm_projector.*` tensor names (no renaming, `wqkv` stays fused). Plain
-torch with `scaled_dot_product_attention`, so it runs on CPU and GPU in float32 or bfloat16.
-
-Parallelism: the tower is small (K2.6: about 0.47 B parameters, 0.93 GB in bf16) next to the text model,
-so it is not split: every tensor-parallel rank holds a full replica (`load_vision_model` on each rank) and
-can encode images by itself; nothing here communicates.
-
-The math follows the published kimi_k25 vision code (Moonshot's modeling_kimi_k25 as served by vLLM's
-kimi_k25_vit.py); tests/test_moonvit.py compares it with vLLM's own modules on make-tiny's k25 checkpoint.
+An image whose padded patch grid is h x w patches becomes (h/2)*(w/2) embeddings of the text width, one per
+`<|media_pad|>` placeholder token (see kserve.model.vision_preprocess). `KimiVisionModel.state_dict()` keys are
+exactly the checkpoint's `vision_tower.*` / `mm_projector.*` names (no renaming, `wqkv` stays fused). Plain torch
+with `scaled_dot_product_attention` (CPU or GPU, float32 or bfloat16); the tower is not split across
+tensor-parallel ranks and nothing here communicates. Architecture, math and the checks against vLLM: docs/vision.md.
 """
 
 from __future__ import annotations

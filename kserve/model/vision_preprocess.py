@@ -1,28 +1,9 @@
 """Image preprocessing of Kimi K2.5 / K2.6 / K2.7-Code: decode, resize, normalize, patchify, count placeholders.
 
 The rules are those of Moonshot's processor for kimi_k25 (its `media_proc_cfg` in preprocessor_config.json;
-vLLM's KimiK25FusedVisionProcessor computes the same):
-
-1. Decode (Pillow) from bytes, a `data:` URL / base64 string or a PIL image. Formats are allow-listed;
-   EXIF orientation is applied and transparency is composited onto a white background, as vLLM's image
-   loader does before the processor runs (Moonshot's processor itself just calls `convert("RGB")`, which
-   drops alpha; pass `alpha_background=None` to get that). Animated images use their first frame.
-2. Resize (`plan_resize`), with p = patch_size (14), k = merge_kernel_size (2):
-   scale = min(1, sqrt(in_patch_limit / (max(1, W // p) * max(1, H // p))),
-                  patch_limit_on_one_side * p / W, patch_limit_on_one_side * p / H)
-   new_w = min(max(1, int(W * scale)), patch_limit_on_one_side * p), likewise new_h;
-   bicubic (PIL's BICUBIC) to new_w x new_h; never upscaled. in_patch_limit = 16384 patches,
-   patch_limit_on_one_side = 512 patches (7168 px).
-3. Pad right and bottom with black (pixel value 0) up to multiples of p*k = 28 px.
-4. Normalize: (x / 255 - mean) / std per channel, mean = std = 0.5 (so [-1, 1]; padding becomes -1), fp32.
-5. Patchify: row-major patches (row of patches by row of patches), each [3, p, p] (channel, row, column):
-   pixel_values [grid_h * grid_w, 3, 14, 14] with grid [1, grid_h, grid_w] = padded size / p.
-6. The image's `<|media_pad|>` expands to (grid_h / k) * (grid_w / k) placeholder tokens
-   (`num_placeholder_tokens`), one per embedding of kserve.model.moonvit.
-
-Errors are ValueErrors with a message fit for an API response: `ImageDecodeError` (not an image, corrupt or
-truncated data), `UnsupportedImageFormatError` (a real format outside the allow-list, e.g. PDF, SVG, EPS,
-HEIC), `ImageTooLargeError` (more pixels or bytes than the limits).
+vLLM's KimiK25FusedVisionProcessor computes the same). Errors are ValueErrors with a message fit for an API
+response: `ImageDecodeError`, `UnsupportedImageFormatError`, `ImageTooLargeError`. The steps, the limits and
+placeholder counts against vLLM's: docs/vision.md.
 """
 
 from __future__ import annotations
