@@ -1,20 +1,8 @@
 """Dynamic tools: function tools declared inside a system message (``{"role": "system", "tools": [...]}``).
 
-Moonshot's extension of the OpenAI message schema (the Kimi Vendor Verifier's ``test_dynamic_tools.py``): a system
-message with empty or absent content may carry ``tools``. Its tools join the request's tool set (callable, parsed,
-constrained and validated like request-level ones) and are declared to the model where the message sits.
-
-Rendering: the message becomes a ``<|im_system|>tool_declare<|im_middle|>...<|im_end|>`` turn in the dialect's own
-declaration format (the body the request-level declaration would have for those tools: compact JSON for K2-Instruct,
-TypeScript for K2.5 on, with the JSON fallback). ``expand_dynamic_tools`` rewrites each such message into an ordinary
-system message named ``tool_declare`` whose content is that body, before any renderer sees the conversation. Every
-Kimi template (and the built-in renderer) writes a system message as ``<|im_system|>{name or role}<|im_middle|>
-{content}<|im_end|>``, so the built-in renderer and jinja templates that know nothing of ``message.tools`` give the
-same bytes, and the conversation is rendered in one piece: the template's own decisions (the default system prompt,
-which turns keep their reasoning) see the whole conversation. The rewritten message is a system message, as sent:
-one that opens the conversation counts as its system message (no default system prompt is injected).
-
-Checks (``check_dynamic_tools``) are the chat layer's part of the request contract; each failure names the message.
+Moonshot's extension (the Kimi Vendor Verifier's ``test_dynamic_tools.py``): ``expand_dynamic_tools`` rewrites each
+such message, before any renderer sees it, into a system message named ``tool_declare`` whose content is the
+dialect's declaration body; ``check_dynamic_tools`` checks them. Details: docs/conformance.md, 'Dynamic tools'.
 """
 
 from __future__ import annotations

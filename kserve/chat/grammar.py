@@ -1,17 +1,8 @@
 """Grammar-masked decoding for K2 with xgrammar: JSON schemas, tool_choice and strict tools.
 
-A request's constraint is described by a `GrammarSpec`, compiled once (cached by spec) by a
-`GrammarCompiler`, and turned into one `TokenMatcher` per generated sequence. The engine calls the
-matcher's `fill_bitmask` / `accept_token` / `rollback` / `is_terminated` (its TokenConstraint hook).
-
-K2's tool-call markers are emitted by the model as single special tokens. The grammar places them
-with xgrammar's TokenFormat (by id), and the vocabulary given to xgrammar spells each marker with a
-leading NUL byte: no JSON string and no free text can then contain a marker token, and a marker can
-only appear where the grammar puts it. Every other special token (turn markers, reserved ids) is
-given an empty spelling, which xgrammar never allows; the stop tokens end a sequence only when the
-grammar is complete.
-
-xgrammar imports torch and transformers, so it is imported lazily.
+A `GrammarSpec` is compiled once (cached by spec) by a `GrammarCompiler` and turned into one `TokenMatcher`, the
+engine's TokenConstraint, per generated sequence. Tool-call markers can only appear where the grammar puts them.
+xgrammar imports torch and transformers, so it is imported lazily. Details: docs/chat.md, 'Grammar'.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Kimi K2 tool-call parser: one incremental state machine used for both whole outputs and streams.
 
-Format (inside an assistant turn)::
-
-    content <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}
-    <|tool_call_end|> ... <|tool_calls_section_end|> more content
-
-Decisions (documented and tested in tests/test_tool_parser*.py):
-- content = text before the section plus text after it (and between sections); text inside a section but outside a
-  call is dropped; stray markers never reach content.
-- a call's id is the header verbatim (whitespace-trimmed); its name strips one leading ``functions.`` and the
-  trailing ``:IDX`` (dots and hyphens kept). A bare-digit header resolves to the only declared tool; any other header
-  that doesn't end in ``:IDX`` is skipped (its arguments are dropped).
-- arguments are the raw text between the argument marker and ``<|tool_call_end|>`` with surrounding whitespace
-  removed; malformed JSON passes through, flagged ``valid_json=False``.
-- a call cut off by the end of output, ``<|tool_call_begin|>`` or a section end keeps its arguments so far and is
-  flagged ``complete=False``; a section still open at the end keeps all its calls.
-- ``<|tool_call_begin|>`` outside a section opens one implicitly.
-- the first ``<|tool_call_end|>`` ends the arguments even inside a JSON string (the model emits it as one token).
+Calls sit in ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>`` sections of an assistant turn;
+content is the text outside them, and arguments are passed through raw. The decisions on malformed output are
+tested in tests/test_tool_parser*.py. Details: docs/chat.md, 'Tool-call parser'.
 """
 
 from __future__ import annotations

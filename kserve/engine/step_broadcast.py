@@ -1,23 +1,8 @@
 """The control plane's wire format: rank 0 tells every other rank what to do next, over torch.distributed.
 
-Each message is one fixed-size int64 header broadcast from rank 0, then (for most kinds) one packed
-payload tensor whose size the header gives, so a receiver always knows how much to receive and no
-Python object is pickled on the hot path:
-
-    header  int64[HEADER_LEN] = [kind, num_tokens, num_seqs, num_table_entries, num_sample_rows,
-                                 padded_batch_size (-1 = None), payload_len, num_image_rows]
-    STEP payload int32[payload_len] = input_ids | positions | slots           (num_tokens each)
-                                      | query_lens | context_lens | table_lens (num_seqs each)
-                                      | block_tables flattened                 (num_table_entries)
-                                      | sample_rows                            (num_sample_rows)
-                                      | image rows                             (num_image_rows)
-    then, when num_image_rows > 0, the image embeddings float32[num_image_rows, hidden] (rank 0 encodes
-    images; every rank puts them in place of those rows' token embeddings)
-    INIT payload uint8[payload_len] = the pickled ModelRunner arguments (once, at start-up)
-
-HEARTBEAT and SHUTDOWN have no payload. Every value of a step (token ids, positions, slots, block
-ids) fits in int32; `pack_step` refuses a step that does not rather than truncating it.
-The tensors live on `device` (CPU for a gloo group, the rank's GPU for an NCCL group).
+Each message is one fixed-size int64 header broadcast from rank 0, then (for most kinds) one packed payload tensor
+whose size the header gives, so no Python object is pickled on the hot path. Every value of a step fits in int32;
+`pack_step` refuses a step that does not rather than truncating it. Layout: docs/multinode.md, 'Control plane'.
 """
 
 from __future__ import annotations

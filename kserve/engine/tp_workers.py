@@ -1,20 +1,8 @@
 """Tensor parallelism for the engine: ranks 1..N-1 mirror rank 0's forward, on this node or others.
 
-Rank 0 is the engine process: it schedules, samples and owns the outputs. Every other rank loads its
-shard of the model and its own KV cache, then loops on the control plane (step_broadcast.py): receive
-a message from rank 0 over torch.distributed; for a step, run `ModelRunner.execute` (whose collectives
-pair with rank 0's) and drop the logits. Rank 0 sends every step before running it, so all ranks enter
-the same collectives in the same order.
-
-Forward collectives use the world group (NCCL on CUDA, gloo on CPU); control messages use a separate
-gloo group on host tensors, because every rank needs a step's numbers on the host to build its batch,
-and because rank 0's heartbeat (sent while idle) must never interleave with a forward's collectives.
-
-Liveness: rank 0 watches its local worker processes and sends a heartbeat when idle; any lost rank
-(a process that exits, a collective or send that fails) sets `failure`, after which every step raises
-`RankLostError` (a FatalEngineError: the engine dies at once, /health answers 503). Workers exit
-non-zero when rank 0 goes away (a closed connection, or no message within `control_timeout_s`) or
-their parent process dies; a SHUTDOWN message makes them exit 0.
+Rank 0 schedules, samples and owns the outputs; it sends every step before running it, so all ranks enter the same
+collectives in the same order. The other ranks run `ModelRunner.execute` and drop the logits. A lost rank makes
+every later step raise `RankLostError`. Details: docs/multinode.md, 'Rank 0 and the workers'.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Attention over the paged latent cache of MLA.
 
-Cache layout per layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]; each token's
-entry is its normalized c_kv followed by its roped k_pe. Slot s lives at block s // block_size,
-offset s % block_size.
-
-FP8 latent cache (`kv_cache_dtype="fp8"`): the cache is float8_e4m3fn and holds latent / kv_scale,
-with one global scale for every layer and value (the runner's `kv_scale`, 1.0 by default: the c_kv
-half is RMS-normalized and the roped k_pe half is of the same order, far inside e4m3's +-448, and
-e4m3's precision is relative, so an uncalibrated scale of 1 loses nothing to range). Writers divide
-by the scale and saturate at +-448; readers multiply by it (the decode kernel takes it as
-`kv_scale`, the prefill gather dequantizes).
-
-Batch-invariant mode (`absorbed_attention_batch_invariant`, `prefill_rows`): every query token, decode or
-prefill, attends in the absorbed form through `mla_decode_batch_invariant`, one row per token with its own
-context length, so a token's attention does not depend on the batch, on how its prompt was chunked, on
-prefix-cache hits, or on whether the runner scheduled it as a decode (docs/batch_invariance.md).
+Cache layout per layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], each token's normalized c_kv
+followed by its roped k_pe; slot s lives at block s // block_size, offset s % block_size. An FP8 cache holds
+latent / kv_scale. Details: docs/model.md, 'MLA attention'; batch-invariant mode: docs/batch_invariance.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """`POST /v1/messages` and `/v1/messages/count_tokens`: Anthropic's Messages API over the chat path.
 
-A Messages request is translated into a chat-completions body (system turn, user/assistant/tool turns, function
-tools, tool_choice, structured output as `response_format`) and prepared by `prepare_chat`, so the prompt,
-grammar, sampling and tool parsing are those of `/v1/chat/completions`. Only the wire format is Anthropic's:
-content blocks, `stop_reason`, usage, errors and the event stream.
-
-- `tool_choice` `any` is chat's `required`, `tool` is a named function, `disable_parallel_tool_use` is
-  `parallel_tool_calls: false`.
-- `thinking` (`enabled` / `disabled`; `adaptive` is the model's default) is the chat template's thinking switch
-  (kserve.server.thinking); `budget_tokens` is accepted but not enforced (`max_tokens` bounds the whole turn).
-- `thinking` blocks in the history become the assistant turn's `reasoning_content` (rendered where the template
-  keeps reasoning); generated reasoning comes back as a `thinking` block before the text and tool_use blocks
-  (streamed as `thinking_delta`s). Its `signature` is always the empty string: there is nothing to verify, and
-  a signature sent back in the history is ignored.
-- `image` blocks (in user messages and tool results; `base64` or `url` sources, the latter fetched only from
-  `--allowed-media-domains`) go through kserve.server.media as chat image parts; a model without a vision tower
-  answers 400.
-- usage follows Anthropic: `input_tokens` excludes the prompt tokens read from the prefix cache, which are
-  `cache_read_input_tokens` (their sum is the prompt length, what count_tokens returns).
+A Messages request is translated into a chat-completions body and prepared by `prepare_chat`, so the prompt, grammar,
+sampling and tool parsing are those of `/v1/chat/completions`. Only the wire format is Anthropic's: content blocks,
+`stop_reason`, usage, errors and the event stream. Details: docs/server.md, 'Anthropic Messages'.
 """
 
 from __future__ import annotations

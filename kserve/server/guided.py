@@ -1,17 +1,7 @@
 """From request fields to grammar-masked decoding: which requests are constrained, compiled off the loop.
 
-- `response_format` `json_object` / `json_schema` (strict or not): the output is one JSON value.
-- `tool_choice` `required`: one tool-call section of calls to the request's tools, nothing else.
-- `tool_choice` naming a function: exactly one call to it.
-- `tool_choice` `auto`: free text, but an opened section may only call the request's tools with
-  arguments matching their schemas (`--tool-grammar off` lifts this, except for `strict: true` tools).
-- `tool_choice` `none`, or `--guided-decoding off`: unconstrained.
-
-Under thinking (the prompt ends inside `<think>`), each of these applies after the reasoning: `AfterReasoning`
-leaves the reasoning free up to the model's `</think>` and only then hands the tokens to the grammar. While
-reasoning, the stop tokens and the tool-call markers are masked, so reasoning ends at `</think>` (never at a stop
-token, which would skip the constrained answer, nor in a tool-call section the grammar did not see); max_tokens
-still ends a request whose reasoning never does.
+`response_format` and `tool_choice` (`required`, a named function, `auto`) become a grammar. Under thinking it
+applies only after the model's `</think>` (`AfterReasoning`). Details: docs/server.md, 'Guided decoding'.
 """
 
 from __future__ import annotations

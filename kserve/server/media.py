@@ -1,18 +1,8 @@
 """Images in chat requests: where they sit, fetching (allow-listed hosts only), decoding, placeholder expansion.
 
-Every API translates its image parts into chat content parts `{"type": "image_url", "image_url": {"url": ...}}`
-(plus `kserve_where`, the part's location as that API names it, for error messages). `collect_images` takes
-them out of the conversation before rendering: the template sees a bare image part and writes the dialect's
-placeholder, one `<|media_pad|>` per image, in order. After tokenization `load_images` fetches (http(s) URLs)
-and decodes / preprocesses every image off the event loop, and `expand` replaces the i-th `<|media_pad|>` by
-the run of placeholder ids the engine expects for image i (so `usage.prompt_tokens` counts them, as vLLM does).
-
-Limits (ServerSettings): at most `max_images_per_request` images per request (default 32, the whole
-conversation counted); remote URLs only from `allowed_media_domains` (exact host match, case-insensitive, no
-subdomains: list each host), fetched within `media_fetch_timeout_s` (default 10 s) and
-`media_fetch_max_bytes` (default 20 MiB), following at most 3 redirects and only to the same host. `data:`
-URLs need no permission. `detail` ("auto" | "low" | "high") is accepted and does not change anything: the
-number of placeholder tokens is the model's own rule for the image's size (kserve.model.vision_preprocess).
+Every API turns its image parts into chat `image_url` parts; the template writes one `<|media_pad|>` per image, and
+after tokenization `expand` replaces the i-th by the run of placeholder ids the engine expects for image i.
+Details: docs/server.md, 'Images'.
 """
 
 from __future__ import annotations

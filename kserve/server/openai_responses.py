@@ -1,22 +1,8 @@
 """`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`: OpenAI's Responses API over the chat path.
 
-The request's instructions and input items (plus, with `previous_response_id`, the stored conversation before
-it) are translated into a chat-completions body and prepared by `prepare_chat`: same template, grammar
-(`text.format` is chat's `response_format`), sampling and tool parser. Only the wire format differs: output
-items, status, usage and the typed event stream with `sequence_number`s.
-
-`reasoning.effort` is the chat template's thinking switch, as OpenAI means it: `"none"` turns thinking off, any
-other effort turns it on, and no effort leaves the model's default (on from K2.5); the effort's size is not
-modelled. Reasoning comes back as a `reasoning` item (its text in `content` as `reasoning_text`, `summary`
-empty) before the message and function_call items.
-
-Images: `input_image` parts (`image_url` a data: URL, or an http(s) URL fetched only from
-`--allowed-media-domains`; `detail` accepted) go through kserve.server.media as chat image parts; `file_id` is
-refused (no Files API), and a model without a vision tower answers 400.
-
-Conversation mapping: `instructions` is the system turn (those of a previous response are not carried over,
-as OpenAI does); consecutive reasoning / assistant message / function_call items make one assistant turn;
-`function_call_output` is a tool turn and must answer an earlier `function_call`'s `call_id`.
+The instructions and input items (plus, with `previous_response_id`, the stored conversation before it) become a
+chat-completions body prepared by `prepare_chat`: same template, grammar, sampling and tool parser. Only the wire
+format differs: output items, status, usage, typed events with `sequence_number`s. Details: docs/server.md, 'Responses'.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Thinking per request: the switch a request sets on the chat template, and how its output is split.
 
 Every chat-shaped API lands on the same two template arguments, `thinking` and `preserve_thinking` (None: the
-dialect's default, as Moonshot's tokenizer wrapper has it: thinking on, reasoning of earlier answers dropped):
-
-- chat completions and `/tokenize`: vLLM's `chat_template_kwargs` (`thinking`, `preserve_thinking`: booleans or
-  null; other keys are ignored, as vLLM ignores what a template does not read) and Moonshot's own body field
-  `thinking: {"type": "enabled" | "disabled"}`; both may be sent if they agree;
-- Anthropic Messages: `thinking: {"type": "enabled", ...}` / `{"type": "disabled"}` (`adaptive`: the default);
-- Responses: `reasoning.effort` `"none"` turns thinking off, any other effort turns it on, no effort is the default.
-
-K2.5 and K2.6 honour the switch (`<think>` or `<think></think>` ends the prompt); K2-Instruct, K2-Thinking and
-K2.7-Code have none (the template ignores it, as Moonshot's does), so it is accepted and changes nothing there.
-
-Output split: a request whose prompt ends inside `<think>` (`ChatDialect.starts_in_reasoning`) is parsed as
-reasoning from its first token, whatever `--enable-reasoning` says; the flag still turns the split on for
-templates that do not open `<think>` themselves (K2-Thinking's model opens it), unless the request turned thinking
-off on a template that honours it.
+dialect's default). A request whose prompt ends inside `<think>` is parsed as reasoning from its first token.
+Details: docs/server.md, 'Thinking per request'.
 """
 
 from __future__ import annotations
