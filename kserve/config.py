@@ -310,7 +310,7 @@ class EngineConfig:
     # vLLM's meaning: the share of the accelerator's TOTAL memory this engine may use for weights,
     # activations (measured by a profiling forward) and the KV cache together.
     gpu_memory_utilization: float = 0.9
-    # KV cache budget on CPU (no profiling there): 1.25 GiB holds the embedded model's whole 131,072-token context
+    # KV cache budget on CPU (no profiling there): 1.25 GiB, 131,072 tokens of the embedded model (half its context)
     kv_cache_cpu_bytes: int = 5 << 28
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "fp8" = float8_e4m3fn latents with a scale
     # most cached context positions one prefill decompresses at once (longer contexts go in chunks)
