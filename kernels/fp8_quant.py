@@ -1,12 +1,7 @@
 """Dynamic FP8 activation quantization in 1 x GROUP groups along the last dimension (per token).
 
-This is the activation side of block-FP8 (w8a8) matmuls, as DeepSeek-V3 runs them: each token's
-row is cut into groups of 128 values; each group gets scale = amax(|x|) / 448 (the largest
-float8_e4m3fn value) and is stored as x / scale in float8_e4m3fn. A ragged last group is
-scaled over the values it has.
-
-`quantize_per_token_group_torch` is the reference that every kernel (the block-FP8 GEMM and the
-fused MoE) must reproduce exactly; the CPU paths call it directly.
+`quantize_per_token_group_torch` is the reference that every block-FP8 kernel must reproduce exactly.
+Details: docs/kernels.md, 'FP8 activation quantization'.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """W4A16 fused routed-expert MoE: INT4 `pack-quantized` experts (kserve.kernels.int4_pack), float activations.
 
-Contract as kserve.kernels.fused_moe's dense path: GLOBAL expert ids (this rank owns [first_expert,
-first_expert + E_local); remote pairs give exactly zero, decided on the device), fp32 accumulation on the
-exact weights q * scale, h = silu(gate) * up rounded to x.dtype, routing weight and top-k sum in fp32, one
-cast to x.dtype. Strategies, kernels and tiles: docs/w4a16_moe.md.
-
-`fused_moe_w4a16(..., batch_invariant=True)` (the layers' batch-invariant mode), as kserve.kernels.fused_moe's: per
-expert segment GEMMs over fixed row tiles on the torch path, one tile config on Triton, silu without a
-scalar tail and the top-k sum in slot order (docs/batch_invariance.md).
+Same contract as kserve.kernels.fused_moe's dense path, on the exact weights q * scale.
+Numerics, strategies, kernels and tiles: docs/w4a16_moe.md; `batch_invariant=True`: docs/batch_invariance.md.
 """
 
 from __future__ import annotations

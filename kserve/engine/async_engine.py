@@ -1,15 +1,8 @@
 """The engine for the server: an `LLMEngine` stepping in a background thread, asyncio streams out.
 
-All engine state is touched only by the loop thread. `generate` and `abort` post commands to it
-through a queue; after each step the thread hands each changed request's delta (only what is new)
-to the request's stream, which merges deltas its reader has not taken yet and wakes the reader with
-`call_soon_threadsafe`, so the event loop never waits on the model.
-
-An unexpected error in one loop iteration fails the requests the engine held and the loop goes on;
-if it cannot (cleaning up fails, or iterations keep failing), or the engine declares itself dead
-(model steps failing `max_consecutive_step_failures` times in a row, or a fatal device error), the
-loop records a fatal error, fails everything waiting with EngineDeadError, and `generate()` raises
-EngineDeadError at once from then on.
+Only the loop thread touches engine state; `generate` and `abort` post commands to it, and each step's deltas
+reach their readers without the event loop waiting on the model. Once the loop gives up, `generate()` raises
+EngineDeadError. Details: docs/engine.md, 'The async engine'.
 """
 
 from __future__ import annotations

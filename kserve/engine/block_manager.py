@@ -1,14 +1,8 @@
 """Paged latent-KV blocks with prefix caching.
 
-Every full block of a sequence gets a hash chained over its parent's hash and its own token ids; the
-hash only finds a candidate. A 64-bit hash can collide (and Python's tuple hash of small ints can be
-made to), so a candidate is used only if it holds the same tokens *and* was registered as the child
-of the very block matched just before it: each registration gets a never-reused serial, and a block
-records its parent's. By induction a match is then the whole prefix, never a lookalike. A block is
-registered in the prefix cache only once its KV has
-actually been computed. Freed blocks keep their hash and go to the back of an LRU free list: a later
-request with the same prefix can take them back, and allocation evicts from the front (the least
-recently freed) first.
+Computed full blocks are found by a chained hash, then checked against their tokens and parent, so a match is
+always the whole prefix; freed blocks stay cached, in LRU order, until reused.
+Details: docs/engine.md, 'Prefix cache'.
 """
 
 from __future__ import annotations

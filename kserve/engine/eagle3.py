@@ -1,15 +1,8 @@
-"""EAGLE-3 drafts in the published layout (`LlamaForCausalLMEagle3`, e.g. AQ-MedAI/Kimi-K2-Instruct-eagle3,
-nvidia/Kimi-K2-Thinking-Eagle3, nvidia/Kimi-K2.6-Eagle3).
+"""EAGLE-3 drafts in the published layout (`LlamaForCausalLMEagle3`).
 
-The draft is one Llama decoder layer whose attention reads [input_layernorm(embedding of token t+1),
-hidden_norm(h_t)] (2 x hidden wide), where h_t is `fc` of the target's residual stream entering three of its
-layers at position t (`eagle_aux_hidden_state_layer_ids`, else layers 2, L/2 and L-3). It predicts token t+2
-over its own vocabulary (`draft_vocab_size`; `d2t[i]` maps draft id i to target id i + d2t[i]); a draft
-step's pre-norm output is the next step's h. The draft keeps its own K/V per sequence (contiguous, on the
-engine's device), filled from every target step's positions. A prefix-cache hit leaves early positions
-out; the draft then attends over what it has, which can cost acceptance, never correctness.
-Refused clearly: MLA drafts (`kv_lora_rank`, e.g. lightseekorg/kimi-k2.6-eagle3-mla), RoPE scaling, drafts
-of several layers, and a draft without its own embedding under tensor parallelism.
+One Llama layer over the target's hidden states proposes argmax drafts; it keeps its own K/V per sequence.
+Drafts it cannot run (MLA, RoPE scaling, several layers, no own embedding under TP) are refused by name.
+Details: docs/speculative.md, 'The EAGLE-3 draft'.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""Owns the model and its paged latent KV cache; runs one scheduled step.
+"""Owns the model and its paged latent KV cache; turns each scheduled step into one forward.
 
-The cache is one tensor `[num_layers, num_blocks + 1, block_size, kv_cache_dim]` (the last block is
-scratch for padding rows) in the model dtype, or float8_e4m3fn with `kv_cache_dtype="fp8"`.
-A step's sequences are flattened, decodes first, into `StepInputs` (plain lists, cheap to send to
-tensor-parallel workers) and then into one `ForwardBatch` (see kserve/model/forward_batch.py), the
-step's only metadata, built once on the host's numbers; the model writes each
-new token's latent into its slot and attends over the sequence's block table. Only the rows whose
-chunk ends at the sequence's last token go through the LM head.
-
-Under decode context parallelism (`context_parallel`) the scheduler's blocks are virtual: each holds
-`block_size * dcp` tokens, `block_size` of them on each group rank, so the same cache memory holds
-dcp times the tokens. StepInputs stay global; each rank's ForwardBatch picks out its own tokens.
+A step's sequences are flattened, decodes first, into `StepInputs` (host lists every tensor-parallel rank gets),
+then into one `ForwardBatch`; only the rows that sample go through the LM head.
+Details: docs/engine.md, 'Model runner'.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""Batched sampling on the logits' device.
+"""Batched sampling on the logits' device: `[B, V]` float32 logits in, one token per row out.
 
-Every step the sampler turns `[B, V]` float32 logits into one token per row. Work is vectorised
-over the rows that need it; a feature no row uses costs nothing (each sequence carries a `Needs`
-flag set computed once from its parameters). The only host transfer in the common path is the
-final list of sampled ids (plus the requested logprobs, when a row asks for them).
-
-Random rows use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is an exact sample of p.
-E comes from a counter-based hash of (seed, output position, token id), computed for all random rows
-at once. Every sequence has a seed (the request's, or one drawn by the engine from its own seeded
-RNG), so a request's samples depend only on its seed and its own history: never on the batch, the
-device or preemption.
+Each feature runs only over the rows whose `Needs` flags ask for it; random rows use the exponential race over
+seeded counter-based noise. Details: docs/engine.md, 'Sampler'.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Continuous batching: which sequences run this step, and how many of their tokens.
 
-Each step fills a token budget (`max_num_batched_tokens`). Running sequences go first, decodes
-before unfinished prefills, then waiting sequences in arrival order (FCFS), whose prompts are cut
-into chunks when they do not fit. When the budget is smaller than the running set (more decodes
-than `max_num_batched_tokens`), the next step starts with the sequences that ran least recently, so
-every running sequence advances, round-robin. When the cache runs out of blocks, the most recently admitted
-running sequence is preempted: its blocks are freed and it goes back to the front of the queue to
-be recomputed later (prompt plus every token it already generated), usually mostly from the
-prefix cache.
+Running sequences first (decodes, then unfinished prefills), then waiting ones in arrival order, chunked to fit
+`max_num_batched_tokens`; when blocks run out, the newest running sequence is preempted and later recomputed.
+Details: docs/engine.md, 'Scheduler'.
 """
 
 from __future__ import annotations

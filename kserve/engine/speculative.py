@@ -1,12 +1,7 @@
 """Speculative decoding: draft proposers, their configuration (vLLM's `--speculative-config` keys) and counters.
 
-A proposer suggests up to k tokens for each decoding sequence; the engine scores the last token plus the
-drafts in one target forward (k + 1 positions) and keeps drafts while the target, sampled position by
-position exactly as plain decoding samples, agrees with them (kserve/engine/llm_engine.py). The drafts
-here are deterministic (n-gram lookup, or the EAGLE-3 draft's argmax), so this is standard rejection
-sampling with a one-hot draft distribution: draft token d is accepted with probability p(d), and a
-rejection samples p without d. Drawing both with the request's seeded noise makes the output the same
-tokens plain decoding gives, greedy or seeded.
+Drafts are deterministic (n-gram lookup, or the EAGLE-3 draft's argmax), so verifying them with the request's
+seeded noise gives exactly the tokens plain decoding gives. Details: docs/speculative.md, 'One step'.
 """
 
 from __future__ import annotations

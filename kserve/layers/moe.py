@@ -1,15 +1,7 @@
 """Mixture of experts as DeepSeek-V3 / Kimi K2 compute it (noaux_tc routing).
 
-Routing: sigmoid scores; the correction bias only selects experts; group-limited top-k when
-n_group > 1 (groups ranked by the sum of their top-2 biased scores, others masked with -inf);
-weights are the unbiased scores of the chosen experts, renormalized, times routed_scaling_factor.
-Experts are expert-parallel: each rank owns n_routed_experts / tp_size whole experts; the routed
-and shared partial outputs are summed over ranks with one all-reduce.
-
-`batch_invariant` (router, routed experts, the layer; set by `KimiK2ForCausalLM.set_batch_invariant`): a
-token's routing and output do not depend on the other tokens: the router's GEMM over fixed row tiles and
-sigmoid without a scalar tail, `fused_moe` / `fused_moe_w4a16` with `batch_invariant=True`, and the
-tensor-parallel sum in rank order (kserve.kernels.batch_invariant).
+The fp32 router picks each token's experts; this rank's whole experts run in one fused-MoE call, and the routed
+and shared partial outputs share one all-reduce. Details: docs/model.md, 'Mixture of experts'.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Memory planning: what one tensor-parallel rank holds, and how much KV cache fits beside it.
 
-Weight figures come from building the model on the `meta` device with the engine's own classes
-(`KimiK2ForCausalLM`), so they are exactly what a rank allocates, never a separate formula. The KV
-budget is the arithmetic the engine uses on a GPU (`kv_cache_budget_bytes`):
-
-    budget = total * gpu_memory_utilization - weights - peak activations - overhead
-
-The engine measures the peak activations with a profiling forward at `max_num_batched_tokens`
-(engine/model_runner.py); the plan, which runs without a GPU, reserves an estimate instead
-(`estimate_activation_bytes`) plus a fixed `DEFAULT_OVERHEAD_BYTES` for what neither sees: the CUDA
-context, NCCL and cuBLAS/Triton workspaces, CUDA-graph pools and allocator fragmentation.
+Weights come from a `meta`-device build of the engine's own model; the KV budget is the engine's arithmetic
+(`kv_cache_budget_bytes`), with estimated activations and a fixed overhead reserve for what only a GPU measures.
+Details: docs/memory.md, 'Memory planning'.
 """
 
 from __future__ import annotations

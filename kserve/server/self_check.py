@@ -1,13 +1,7 @@
-"""Startup checks: the chat template, tokenizer, reasoning split and tool parser agree on K2's tool-call format,
-and one constrained request goes through the whole stack.
+"""Startup checks: template, tokenizer, reasoning split and tool parser agree; one constrained request runs end to end.
 
-For a thinking template both run as its requests would: the template's own assistant turn (reasoning, then a
-call) is read back through the reasoning split and the tool parser with thinking on (and off, where the template
-has the switch), and the live request starts inside `<think>`, so it also exercises the grammar that follows
-the reasoning (a `</think>` logit bias makes a random model end its reasoning at once).
-
-A parser that does not match the model's format fails quietly (control tokens in `content`, empty
-`tool_calls`), so a mismatch refuses to serve instead; `--skip-self-check` turns this off.
+Both use K2's tool-call format. A mismatched parser would fail quietly, so a mismatch refuses to serve instead
+(`--skip-self-check` turns this off). Details: docs/server.md, 'Startup self-check'.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Which tools a chat request may call, and what it may not emit without any.
 
-- `callable_tools`: the request's `tools`, then every system message's dynamic tools (kserve.chat.dynamic_tools),
-  checked as one set. That set is what the rest of the request sees: `tool_choice`, the grammar, the tool parser's
-  known names, schema validation of the calls on receipt, and the tool-call metrics.
-- `tool_marker_ban`: a chat request with no callable tools (or `tool_choice: "none"`) gets the tool-call marker
-  tokens masked at every decoding step, so no tool-call section can start and no marker reaches content, reasoning
-  or the stream. It rides the engine's token-constraint hook (`SamplingParams.guided`), the one grammar-masked
-  decoding uses, so the mask is applied after `logit_bias` and no bias can bring a marker back.
-  `--tool-grammar off` (and `--guided-decoding off`) lift it; `/v1/completions` never gets it (it stays raw).
+`callable_tools`: the request's `tools` plus system (or developer) messages' dynamic tools, one set for all uses.
+`tool_marker_ban`: without callable tools (or with `tool_choice: "none"`) and without a grammar, the tool-call
+markers are masked. Details: docs/conformance.md, 'Dynamic tools' and 'No tools, no tool calls'.
 """
 
 from __future__ import annotations

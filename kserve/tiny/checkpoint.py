@@ -1,15 +1,8 @@
-"""A tiny random Kimi K2 checkpoint in Moonshot's published layout: config.json, generation_config.json,
-FP8 safetensors shards with their index, and the tokenizer files. The same seed gives byte-identical files.
+"""A tiny random Kimi K2 checkpoint in Moonshot's published layout (`kserve make-tiny`).
 
-Variant "k25" is K2.6's layout instead: a `kimi_k25` wrapper config (text model under `text_config`), bf16
-weights with compressed-tensors INT4 routed experts, `language_model.` names, a small random MoonViT
-tower and patch-merger projector in K2.6's layout (every `vision_tower.*` / `mm_projector.*` tensor, bf16),
-K2.6's tokenizer config and `<|im_end|>` as EOS.
-
-Geometry: by default ("k2") the attention keeps K2's per-head widths (qk_nope 128, qk_rope 64,
-v_head 128, kv_lora_rank 512, so a latent-cache row is 576 values, a ragged FP8 block in
-kv_a_proj_with_mqa as in K2) with 8 heads, 4 layers and 16 experts, so kernels and caches are tested
-at the widths they run at. "small" keeps the earlier 32/32/32/128 widths for speed.
+Variants "k2", "v3" and "k25" (K2.6's layout: INT4 experts, a small MoonViT tower); geometry "k2" keeps K2's
+attention widths, "small" narrower ones. The same seed writes byte-identical files.
+Details: docs/model.md, the `kserve make-tiny` points.
 """
 
 from __future__ import annotations
