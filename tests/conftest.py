@@ -1,4 +1,5 @@
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +8,11 @@ import pytest
 
 # Triton kernels run in the interpreter on CPU; must be set before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The interpreter's tl.dot is numpy's matmul. OpenBLAS's FMA kernels (Haswell, Zen) round a row differently by
+# its position in the matrix, which a GPU's MMA does not, so the batch-invariant kernel tests would fail on them
+# for the host's sake. The Sandybridge kernel (AVX) is position-independent; it must be chosen before numpy loads.
+if platform.machine() in ("x86_64", "AMD64") and "numpy" not in sys.modules:
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
 
 def _make_tiny(path: Path, variant: str, seed: int = 0) -> Path:
