@@ -1,12 +1,13 @@
 """How often a served model calls the right tool with the right arguments, on held-out conversations.
 
-    python scripts/eval_tool_calls.py [MODEL_DIR] --count 200 --seed 1 [--thinking off] [--base-url URL] [--json out.json]
+    python scripts/eval_tool_calls.py [MODEL_DIR] --count 200 --seed 1 [--thinking off] [--split fresh]
+        [--base-url URL] [--json out.json]
 
 Without --base-url it starts `kserve serve MODEL_DIR` in this process on 127.0.0.1 with the defaults a
 user gets (tool_choice auto, default tool grammar). Each held-out conversation (scripts/gen_tool_data.py,
-split `heldout`, phrasings never used in training) is cut before the assistant turn under test and sent
-through the official `openai` client, greedy, with the model's default thinking mode (`--thinking off`
-sends `chat_template_kwargs: {"thinking": false}`). Reported:
+split `heldout`, phrasings never used in training; `--split fresh` draws a second such set instead) is cut
+before the assistant turn under test and sent through the official `openai` client, greedy, with the
+model's default thinking mode (`--thinking off` sends `chat_template_kwargs: {"thinking": false}`). Reported:
 - tool_call_rate: share of tool requests answered with finish_reason tool_calls naming the expected tools;
 - exact_args_rate: share of tool requests whose calls also carry exactly the expected arguments;
 - plain_stop_rate: share of plain chats answered with text ending in `stop` within 64 tokens (reasoning
@@ -148,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", default=None, help="a running server's base URL (loopback)")
     p.add_argument("--thinking", choices=["default", "on", "off"], default="default",
                    help="the chat template's thinking switch (default: the model's own default)")
+    p.add_argument("--split", choices=["heldout", "fresh"], default="heldout",
+                   help="which unseen phrasings to ask with (the goals are on heldout)")
     p.add_argument("--echo", type=int, default=0, help="also probe copying with this many echo requests")
     p.add_argument("--loops", action="store_true", help="also count greedy loops on LOOP_PROBE's requests")
     p.add_argument("--bare", type=int, default=0, help="also send this many bare tool requests")
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
 
-    rows = generate(args.seed, args.count, "heldout")
+    rows = generate(args.seed, args.count, args.split)
     server = None
     base_url = args.base_url
     if base_url is None:
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             result["bare_tool_call_rate"] = bare["tool_call_rate"]
             result["bare_exact_args_rate"] = bare["exact_args_rate"]
         if args.answers:
-            answers = score(client, model, answer_rows(generate(args.seed, args.answers, "heldout", plain_share=0.0)),
+            answers = score(client, model, answer_rows(generate(args.seed, args.answers, args.split, plain_share=0.0)),
                             thinking)
             result["answer_stop_rate"] = answers["plain_stop_rate"]
             result["answer_exact_rate"] = answers["plain_exact_rate"]

@@ -13,7 +13,7 @@ what the final assistant turn must do (`{"kind": "tool_calls", "calls": [{"name"
 turn under test (`prompt_messages`).
 
 `--split heldout` draws from phrasings (wrappers, joiners, openers, closers, plain chats, agent system
-prompts) never used for training; use another seed as well.
+prompts) never used for training; use another seed as well. `--split fresh` is a second such set.
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--count", type=int, default=1000)
-    p.add_argument("--split", choices=["train", "heldout"], default="train")
+    p.add_argument("--split", choices=["train", "heldout", "fresh"], default="train")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     rows = generate(args.seed, args.count, args.split)

@@ -3,7 +3,7 @@
 Each tool is declared once: its OpenAI function schema, how to draw arguments, how a user asks for
 it (intent templates that name the argument values), and what it returns. `scripts/gen_tool_data.py`
 turns these into conversations. Phrasing wrappers are split into a training set and a held-out set,
-so the evaluation can ask in ways the model never saw.
+so the evaluation can ask in ways the model never saw; a third, fresh set is a second probe of unseen phrasing.
 """
 
 from __future__ import annotations
@@ -481,6 +481,17 @@ TWO_TASK_JOINERS_TRAIN = ("{a} and {b}", "{a}, and also {b}", "{a}; then {b}", "
                           "{a} and then {b}", "first {a}, then {b}", "{a}, and after that {b}", "{a}. After that, {b}",
                           "{a}, then {b}", "{a}; also {b}", "{a}, and {b} too", "{a}. Next, {b}", "{a} and also {b}")
 TWO_TASK_JOINERS_HELDOUT = ("{a} as well as {b}",)
+# A second unseen split, written after nine runs had been measured on the first, before any model was measured
+# on it: three of the five held-out wrappers and its one joiner read as training patterns (docs/embedded_model.md),
+# so one probe of unseen phrasing rests on few phrasings. The goals stay on `heldout`.
+WRAPPERS_FRESH = (
+    "Any chance you could {intent}?", "Could I get you to {intent}?", "I'm asking you to {intent}.",
+    "Do you think you can {intent}?", "It would help if you could {intent}.", "Please make sure to {intent}.",
+    "Time to {intent}.", "Would it be possible to {intent}?", "I'd be grateful if you would {intent}.",
+    "Think you could {intent}?", "Need you to {intent}.", "Real quick, {intent}.",
+)
+TWO_TASK_JOINERS_FRESH = ("{a}, and once that's done, {b}", "{a}, after which {b}", "{a}. Oh, and {b}",
+                          "{a}. Additionally, {b}")
 # Words before and after the request; the empty string keeps bare requests common.
 OPENERS_TRAIN = ("", "", "", "", "Hi!", "Hello.", "Hey!", "Hi there.", "Good morning.", "Good evening!", "OK.",
                  "One more thing.", "Quick question.", "Hello again.", "Morning!", "Hi, it's me again.")
@@ -488,6 +499,8 @@ OPENERS_HELDOUT = ("", "", "Good day.", "Salutations.", "Yo!")
 CLOSERS_TRAIN = ("", "", "", "", " Thanks!", " Thank you.", " Cheers.", " Thanks in advance.",
                  " I need it soon.", " It's for work.", " No rush.", " Thanks a lot!")
 CLOSERS_HELDOUT = ("", "", " Much obliged.", " Ta!")
+OPENERS_FRESH = ("", "", "Hi again!", "Right then.")
+CLOSERS_FRESH = ("", "", " Thanks ever so much.", " Appreciate the help.")
 
 SYSTEM_PROMPTS = (
     "You are a helpful assistant.", "You are a concise assistant with access to tools.",
@@ -565,6 +578,11 @@ PLAIN_CHATS_HELDOUT = (
     (("Much appreciated.", "Cheers for that."), "You're welcome!", "thanks me"),
     (("Which city is the capital of France?",), "The capital of France is Paris.", "asks for a capital city"),
 )
+PLAIN_CHATS_FRESH = (
+    (("Hey, good to see you!", "Hi, how's your day?"), "Hello! How can I help you today?", "greets me"),
+    (("Thanks loads.", "Thank you kindly."), "You're welcome!", "thanks me"),
+    (("See ya!",), "Goodbye! Have a nice day.", "says goodbye"),
+)
 
 
 # Echo requests (training only): a random run of words to repeat, so the model must learn to copy from the
@@ -605,10 +623,13 @@ def phrasing(split: str) -> Phrasing:
     if split == "heldout":
         return Phrasing(WRAPPERS_HELDOUT, TWO_TASK_JOINERS_HELDOUT, PLAIN_CHATS_HELDOUT, OPENERS_HELDOUT,
                         CLOSERS_HELDOUT, AGENT_PERSONAS_HELDOUT, AGENT_RULES_HELDOUT)
+    if split == "fresh":
+        return Phrasing(WRAPPERS_FRESH, TWO_TASK_JOINERS_FRESH, PLAIN_CHATS_FRESH, OPENERS_FRESH, CLOSERS_FRESH,
+                        AGENT_PERSONAS_HELDOUT, AGENT_RULES_HELDOUT)
     if split == "bare":  # a probe, not held out: the training's bare request, no opener or closer
         return Phrasing(("{Intent}?", "{Intent}."), TWO_TASK_JOINERS_HELDOUT, PLAIN_CHATS_HELDOUT, ("",), ("",),
                         AGENT_PERSONAS_HELDOUT, AGENT_RULES_HELDOUT)
-    raise ValueError(f"unknown split {split!r}; expected 'train', 'heldout' or 'bare'")
+    raise ValueError(f"unknown split {split!r}; expected 'train', 'heldout', 'fresh' or 'bare'")
 
 
 # Tool requests asked as questions, training only: they open as the plain chats do ("What's ...", "How is

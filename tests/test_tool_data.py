@@ -18,16 +18,21 @@ from tool_data_pool import (
     AGENT_PERSONAS_TRAIN,
     AGENT_RULES_HELDOUT,
     AGENT_RULES_TRAIN,
+    CLOSERS_FRESH,
     CLOSERS_HELDOUT,
     CLOSERS_TRAIN,
     ECHO_WRAPPERS_TRAIN,
+    OPENERS_FRESH,
     OPENERS_HELDOUT,
     OPENERS_TRAIN,
     PLAIN_CHATS,
+    PLAIN_CHATS_FRESH,
     PLAIN_CHATS_HELDOUT,
     QUESTIONS_TRAIN,
+    TWO_TASK_JOINERS_FRESH,
     TWO_TASK_JOINERS_HELDOUT,
     TWO_TASK_JOINERS_TRAIN,
+    WRAPPERS_FRESH,
     WRAPPERS_HELDOUT,
     WRAPPERS_TRAIN,
     build_tools,
@@ -57,26 +62,32 @@ def test_same_seed_same_data_and_other_seed_differs():
     assert generate(3, 40) != generate(4, 40)
 
 
-def test_heldout_phrasings_are_never_used_for_training():
-    assert not set(WRAPPERS_TRAIN) & set(WRAPPERS_HELDOUT)
-    assert not set(TWO_TASK_JOINERS_TRAIN) & set(TWO_TASK_JOINERS_HELDOUT)
+@pytest.mark.parametrize("split", ["heldout", "fresh"])
+def test_unseen_phrasings_are_never_used_for_training(split):
+    wrappers, joiners, chats, openers, closers = {
+        "heldout": (WRAPPERS_HELDOUT, TWO_TASK_JOINERS_HELDOUT, PLAIN_CHATS_HELDOUT, OPENERS_HELDOUT, CLOSERS_HELDOUT),
+        "fresh": (WRAPPERS_FRESH, TWO_TASK_JOINERS_FRESH, PLAIN_CHATS_FRESH, OPENERS_FRESH, CLOSERS_FRESH),
+    }[split]
+    assert not set(WRAPPERS_TRAIN) & set(wrappers)
+    assert not set(TWO_TASK_JOINERS_TRAIN) & set(joiners)
     # A training plain chat must not be a held-out chat, opener or closer either ("Much obliged." once was).
     train_chats = {ask.lower() for asks, *_ in PLAIN_CHATS for ask in asks}
-    heldout_words = {ask.lower() for asks, *_ in PLAIN_CHATS_HELDOUT for ask in asks}
-    heldout_words |= {w.strip().lower() for w in OPENERS_HELDOUT + CLOSERS_HELDOUT} - {""}
+    heldout_words = {ask.lower() for asks, *_ in chats for ask in asks}
+    heldout_words |= {w.strip().lower() for w in openers + closers} - {""}
     assert not train_chats & heldout_words
-    for train, heldout in ((OPENERS_TRAIN, OPENERS_HELDOUT), (CLOSERS_TRAIN, CLOSERS_HELDOUT),
+    for train, heldout in ((OPENERS_TRAIN, openers), (CLOSERS_TRAIN, closers),
                            (AGENT_PERSONAS_TRAIN, AGENT_PERSONAS_HELDOUT), (AGENT_RULES_TRAIN, AGENT_RULES_HELDOUT)):
         assert not (set(train) - {""}) & set(heldout)
         assert set(heldout) - {""}
 
 
-def test_no_heldout_request_or_agent_prompt_appears_in_the_training_data():
+@pytest.mark.parametrize("split", ["heldout", "fresh"])
+def test_no_heldout_request_or_agent_prompt_appears_in_the_training_data(split):
     """The evaluation's conversations (seed 1) against the start of the shipped model's training data (seed 0):
     no user message and no agent system prompt in common, and every held-out tool request uses a held-out
     wrapper or joiner."""
     train = generate(0, 4000, echo_share=RECIPE.echo_share)
-    heldout = generate(1, 400, "heldout")
+    heldout = generate(1, 400, split)
 
     def said(rows, role):
         return {m["content"] for r in rows for m in r["messages"] if m["role"] == role}
@@ -84,18 +95,20 @@ def test_no_heldout_request_or_agent_prompt_appears_in_the_training_data():
     assert not said(train, "user") & said(heldout, "user")
     agent_prompts = {p for p in said(heldout, "system") if "# Rules" in p}
     assert agent_prompts and not agent_prompts & said(train, "system")
-    heldout_shapes = [w.split("{")[0] or w.split("}")[-1] for w in WRAPPERS_HELDOUT]
+    wrappers, joiners = phrasing(split).wrappers, phrasing(split).joiners
+    heldout_shapes = [w.split("{")[0] or w.split("}")[-1] for w in wrappers]
+    joins = [j.split("{a}")[1].split("{b}")[0] for j in joiners]
     for row in heldout:
         if row["expect"]["kind"] == "tool_calls":
             request = row["messages"][row["eval_turn"] - 1]["content"]
-            assert any(shape in request for shape in heldout_shapes) or " as well as " in request, request
+            assert any(shape in request for shape in heldout_shapes + joins), request
 
 
 def test_tool_requests_asked_as_questions_are_training_only_and_the_thought_restates_a_task():
     """"What's the time in Tokyo?" opens as a plain chat does. Such requests are in the training data only
     (the evaluation splits have no questions and no context sentences), and their thought restates the tool's
     first intent, so it still reads "The request is to ..."."""
-    for split in ("heldout", "bare"):
+    for split in ("heldout", "fresh", "bare"):
         assert not phrasing(split).questions and not phrasing(split).context
     tools = {t.name: t for t in build_tools()}
     assert set(QUESTIONS_TRAIN) <= set(tools) and len(QUESTIONS_TRAIN) >= 30
@@ -136,7 +149,7 @@ def test_most_tool_results_come_without_a_name_as_openai_clients_send_them():
         if row["thinking"]:
             called = " and ".join(c["name"] for c in row["expect"]["calls"])
             assert row["messages"][-1]["reasoning_content"] == f"I have the result of {called}, so I will answer."
-    for split in ("heldout", "bare"):
+    for split in ("heldout", "fresh", "bare"):
         assert all("name" in m for r in generate(1, 100, split) for m in r["messages"] if m["role"] == "tool")
 
 
