@@ -18,21 +18,14 @@ from tool_data_pool import (
     AGENT_PERSONAS_TRAIN,
     AGENT_RULES_HELDOUT,
     AGENT_RULES_TRAIN,
-    CLOSERS_FRESH,
     CLOSERS_HELDOUT,
     CLOSERS_TRAIN,
     ECHO_WRAPPERS_TRAIN,
-    OPENERS_FRESH,
     OPENERS_HELDOUT,
     OPENERS_TRAIN,
     PLAIN_CHATS,
-    PLAIN_CHATS_FRESH,
-    PLAIN_CHATS_HELDOUT,
     QUESTIONS_TRAIN,
-    TWO_TASK_JOINERS_FRESH,
-    TWO_TASK_JOINERS_HELDOUT,
     TWO_TASK_JOINERS_TRAIN,
-    WRAPPERS_FRESH,
     WRAPPERS_HELDOUT,
     WRAPPERS_TRAIN,
     build_tools,
@@ -64,10 +57,8 @@ def test_same_seed_same_data_and_other_seed_differs():
 
 @pytest.mark.parametrize("split", ["heldout", "fresh"])
 def test_unseen_phrasings_are_never_used_for_training(split):
-    wrappers, joiners, chats, openers, closers = {
-        "heldout": (WRAPPERS_HELDOUT, TWO_TASK_JOINERS_HELDOUT, PLAIN_CHATS_HELDOUT, OPENERS_HELDOUT, CLOSERS_HELDOUT),
-        "fresh": (WRAPPERS_FRESH, TWO_TASK_JOINERS_FRESH, PLAIN_CHATS_FRESH, OPENERS_FRESH, CLOSERS_FRESH),
-    }[split]
+    style = phrasing(split)
+    wrappers, joiners, chats, openers, closers = style.wrappers, style.joiners, style.plain, style.openers, style.closers
     assert not set(WRAPPERS_TRAIN) & set(wrappers)
     assert not set(TWO_TASK_JOINERS_TRAIN) & set(joiners)
     # A training plain chat must not be a held-out chat, opener or closer either ("Much obliged." once was).
