@@ -14,6 +14,7 @@ tokenizer and batch order.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import random
@@ -421,7 +422,12 @@ def train(args: argparse.Namespace) -> Path:
     write_weights(model, cfg, out)
     # a run started from another keeps that one's stages before its own
     stages = _stages(Path(args.init_from)) if args.init_from else []
-    stages += [{"args": vars(args), "stage": name, "log": log} for name, log in logs.items()]
+    # the same arguments give the same weights only under the same libraries: their initialization and
+    # arithmetic differ between versions (docs/embedded_model.md)
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    stages += [{"args": vars(args), "versions": versions, "stage": name, "log": log} for name, log in logs.items()]
     (out / "train_log.json").write_text(json.dumps({"stages": stages}, indent=1))
     curve, offset = [], 0
     for stage in stages:
@@ -505,8 +511,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory for reuse instead of returning it to the system. Each step frees and
+    allocates tensors of tens of MB (the logits, their gradients); by default glibc unmaps those and maps
+    them afresh next step, and the page faults cost about a tenth of the step (docs/embedded_model.md,
+    `benchmarks/bench_train_step.py`). The arithmetic is unchanged. False where there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    mmap_threshold, trim_threshold = -3, -1  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD in <malloc.h>
+    return bool(libc.mallopt(mmap_threshold, 1 << 30) and libc.mallopt(trim_threshold, (1 << 31) - 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    keep_freed_memory()  # here, not in train(): a process that only trains keeps its memory until it exits
     print(train(args))
     return 0
 

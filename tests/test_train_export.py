@@ -45,5 +45,7 @@ def test_polish_stage_follows_the_main_stage_in_one_run(tmp_path):
     stages = json.loads((out / "train_log.json").read_text())["stages"]
     assert [(stage["stage"], len(stage["log"])) for stage in stages] == [("train", 2), ("polish", 1)]
     assert stages[1]["log"][0]["seconds"] >= stages[0]["log"][-1]["seconds"]
+    # the libraries it ran under, without which the same arguments need not give the same weights
+    assert stages[0]["versions"]["torch"] == torch.__version__ and stages[0]["versions"]["transformers"]
     out = train(parser().parse_args(["--out", str(tmp_path / "stopped"), *common, "--stop-at", "1"]))
     assert [len(stage["log"]) for stage in json.loads((out / "train_log.json").read_text())["stages"]] == [1]
