@@ -48,7 +48,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for trial in range(args.trials):
             for arm in ARM_CODE:
-                out = Path(tmp) / f"{trial}-{len(results[arm])}-{arm.replace(' ', '_')}"
+                out = Path(tmp) / f"{trial}-{arm.replace(' ', '_')}"
                 argv = ["--out", str(out), "--conversations", str(args.conversations), "--bpe-conversations",
                         str(min(3000, args.conversations)), "--stop-at", str(args.steps)]
                 results[arm].append(seconds_per_step(arm, argv, out))

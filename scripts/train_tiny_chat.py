@@ -311,6 +311,7 @@ def write_weights(model: torch.nn.Module, cfg: dict[str, Any], out: Path, prefix
 
 
 def train(args: argparse.Namespace) -> Path:
+    import transformers
     from torch.nn.utils import parametrize
     from tqdm import tqdm
     from transformers import DeepseekV3ForCausalLM
@@ -424,8 +425,6 @@ def train(args: argparse.Namespace) -> Path:
     stages = _stages(Path(args.init_from)) if args.init_from else []
     # the same arguments give the same weights only under the same libraries: their initialization and
     # arithmetic differ between versions (docs/embedded_model.md)
-    import transformers
-
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     stages += [{"args": vars(args), "versions": versions, "stage": name, "log": log} for name, log in logs.items()]
     (out / "train_log.json").write_text(json.dumps({"stages": stages}, indent=1))
