@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 
+# `python -m pytest` puts the repository root on sys.path, where kernels/ (installed as kserve.kernels) shadows
+# Hugging Face's `kernels` package; transformers 5.25 depends on that package and imports it when it loads a
+# model. Tests import the installed kserve, as users do, so the root comes off the path.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _ROOT]
+
 # Triton kernels run in the interpreter on CPU; must be set before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # The interpreter's tl.dot is numpy's matmul. OpenBLAS's FMA kernels (Haswell, Zen) round a row differently by
