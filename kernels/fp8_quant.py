@@ -18,6 +18,13 @@ def num_groups(k: int, group: int = 128) -> int:
     return -(-k // group)
 
 
+def group_scales(amax: torch.Tensor) -> torch.Tensor:
+    """Each group's scale, amax / 448 correctly rounded on every device. CUDA's torch computes a tensor
+    divided by a Python float as a product with its rounded reciprocal, one ulp off in about half the
+    groups; the Triton kernels and the CPU divide, so the divisor here is a tensor."""
+    return amax.clamp(min=SCALE_FLOOR) / torch.full_like(amax, FP8_MAX)
+
+
 def quantize_per_token_group_torch(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any float dtype) -> (x_q [M, K] float8_e4m3fn, scales [M, ceil(K / group)] fp32)."""
     if x.dim() != 2:
@@ -28,7 +35,7 @@ def quantize_per_token_group_torch(x: torch.Tensor, group: int = 128) -> tuple[t
     if k % group:
         padded = torch.nn.functional.pad(padded, (0, g * group - k))
     tiles = padded.view(m, g, group)
-    scales = tiles.abs().amax(dim=-1).clamp(min=SCALE_FLOOR) / FP8_MAX
+    scales = group_scales(tiles.abs().amax(dim=-1))
     q = (tiles / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(m, g * group)[:, :k]
     return q.to(FP8_DTYPE).contiguous(), scales.contiguous()
 

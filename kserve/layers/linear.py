@@ -21,7 +21,7 @@ from kserve.kernels.fp8_gemm import (
     fp8_block_linear,
     w8a8_block_matmul_quantized,
 )
-from kserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
+from kserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, group_scales
 from kserve.layers.weight_loading import copy_checked
 
 
@@ -144,7 +144,7 @@ class RowParallelLinear(ShardedLinear):
         amax = x2.new_zeros(x2.shape[0], -(-self.in_features // b1))
         amax[:, first : first + groups] = tiles.abs().amax(dim=-1)
         amax = self.parallel.all_reduce_max(amax)[:, first : first + groups]
-        scales = amax.clamp(min=SCALE_FLOOR) / FP8_MAX
+        scales = group_scales(amax)
         x_q = (tiles / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(x2.shape[0], groups * b1)[:, : x2.shape[1]]
         y = w8a8_block_matmul_quantized(x_q.to(FP8_DTYPE), scales, self.weight, self.weight_scale_inv, self.block,
                                         x.dtype, batch_invariant=self.batch_invariant)
