@@ -1301,6 +1301,9 @@ def run(plan: Plan, out_dir: Path, stages: list[str]) -> dict[str, Any]:
                                       "rows": [asdict(r) for r in rows]}
             all_rows.extend(rows)
             print(f"[gpu_check] {name}: {status} in {seconds:.1f} s", file=sys.stderr, flush=True)
+            # a lease can end mid-run: each finished stage is printed and saved, not only the whole table
+            print(format_table(rows), file=sys.stderr, flush=True)
+            (out_dir / "gpu_check.partial.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     finally:
         if prestarted is not None:
             prestarted.stop()  # idempotent: also when the stage never ran
