@@ -117,7 +117,9 @@ def test_long_context_prefill_in_bounded_chunks(tiny_k2_dir) -> None:
         cache = torch.zeros(c.num_hidden_layers, 24, block, c.kv_cache_dim)
         model(ids[:cached], ForwardBatch.contiguous([cached], [cached], block), cache)
         rows_decompressed.clear()
-        batch = ForwardBatch.contiguous([new], [cached + new], block, context_chunk_tokens=chunk_tokens)
+        # row_query_max_len=0: 12 new tokens would otherwise attend as absorbed rows (the next test)
+        batch = ForwardBatch.contiguous([new], [cached + new], block, context_chunk_tokens=chunk_tokens,
+                                        row_query_max_len=0)
         assert (batch.prefill.context_chunks is None) == (chunk_tokens >= cached + new)
         return model.compute_logits(model(ids[cached:], batch, cache))
 
@@ -132,6 +134,46 @@ def test_long_context_prefill_in_bounded_chunks(tiny_k2_dir) -> None:
             hook.remove()
     torch.testing.assert_close(chunked, whole, atol=2e-5, rtol=1e-4)
     assert torch.equal(chunked.argmax(-1), whole.argmax(-1))
+
+
+def test_a_few_tokens_after_a_cached_prefix_attend_as_absorbed_rows(tiny_k2_dir) -> None:
+    """A speculative verify (a few new tokens on each of several cached sequences) takes the absorbed
+    decode rows: the logits of the decompressing prefill path, with no context through kv_b_proj. A fresh
+    prompt, or more new tokens than ROW_QUERY_MAX_LEN, keeps the prefill path."""
+    from kserve.model.forward_batch import ROW_QUERY_MAX_LEN
+
+    model = load_model(tiny_k2_dir, weights="dequantized")
+    c, block = model.config, 16
+    cached, new = [37, 5, 64], [4, 2, 3]
+    gen = torch.Generator().manual_seed(5)
+    ids = [torch.randint(0, c.vocab_size, (k + n,), generator=gen) for k, n in zip(cached, new)]
+    decompressed: list[int] = []
+    hooks = [layer.self_attn.kv_b_proj.register_forward_hook(lambda m, i, o: decompressed.append(o.shape[0]))
+             for layer in model.model.layers]
+
+    def verify_logits(row_query_max_len: int) -> torch.Tensor:
+        cache = torch.zeros(c.num_hidden_layers, 3 * 5, block, c.kv_cache_dim)
+        prefix = ForwardBatch.contiguous(cached, cached, block)
+        model(torch.cat([x[:k] for x, k in zip(ids, cached)]), prefix, cache)
+        decompressed.clear()
+        totals = [k + n for k, n in zip(cached, new)]
+        batch = ForwardBatch.contiguous(new, totals, block, row_query_max_len=row_query_max_len)
+        assert (batch.prefill.row_block_tables is not None) == (row_query_max_len >= max(new))
+        return model.compute_logits(model(torch.cat([x[k:] for x, k in zip(ids, cached)]), batch, cache))
+
+    try:
+        rows = verify_logits(ROW_QUERY_MAX_LEN)
+        assert decompressed == []
+        prefill = verify_logits(0)
+        assert decompressed
+    finally:
+        for hook in hooks:
+            hook.remove()
+    torch.testing.assert_close(rows, prefill, atol=2e-5, rtol=1e-4)
+    assert torch.equal(rows.argmax(-1), prefill.argmax(-1))
+    assert ForwardBatch.contiguous([4], [4], block).prefill.row_block_tables is None  # a fresh prompt
+    too_many = ROW_QUERY_MAX_LEN + 1
+    assert ForwardBatch.contiguous([too_many], [too_many + 8], block).prefill.row_block_tables is None
 
 
 @pytest.mark.parametrize(("tp", "dcp", "words"), [(2, 3, "3 does not divide --tensor-parallel-size 2"),

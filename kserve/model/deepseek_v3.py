@@ -116,21 +116,24 @@ class MLAttention(nn.Module):
         num_decode = batch.num_decode_seqs
         parts = []
         if num_decode:
-            parts.append(self._absorbed(q_nope[:num_decode], q_pe[:num_decode], batch, cache))
+            tables, lens = batch.block_tables[:num_decode], batch.context_lens[:num_decode]
+            parts.append(self._absorbed(q_nope[:num_decode], q_pe[:num_decode], tables, lens, batch, cache))
         if batch.prefill is not None:
             start = batch.prefill.token_start
-            if batch.prefill.context_chunks is None:
+            if batch.prefill.row_block_tables is not None:  # a few tokens after a cached prefix: a verify
+                tables, lens = batch.prefill.row_block_tables, batch.prefill.row_context_lens
+                parts.append(self._absorbed(q_nope[start:], q_pe[start:], tables, lens, batch, cache))
+            elif batch.prefill.context_chunks is None:
                 parts.append(self._naive(q_nope[start:], q_pe[start:], batch, cache))
             else:
                 parts.append(self._naive_chunked(q_nope[start:], q_pe[start:], latents[start:], batch, cache))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head))
 
-    def _absorbed(self, q_nope, q_pe, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
-        """All decode sequences at once, through the paged decode kernel: [D, H, v_head]."""
-        num_decode = q_nope.shape[0]
+    def _absorbed(self, q_nope, q_pe, tables, lens, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        """Decode rows [D] at once through the paged decode kernel, row d over block table tables[d] and
+        its first lens[d] positions: [D, H, v_head]."""
         w_uk, w_uv = self.kv_b_proj.absorption_weights()
-        tables, lens = batch.block_tables[:num_decode], batch.context_lens[:num_decode]
         dcp = batch.context_parallel
         if self.batch_invariant and dcp is None:
             from kserve.layers.mla_attention import absorbed_attention_batch_invariant

@@ -2,7 +2,8 @@
 
 A step's `num_tokens` new tokens are laid out sequence by sequence. The first `num_decode_seqs` sequences have one
 new token each and take the absorbed MLA path; every later one is a "prefill" sequence, all of them in one varlen
-attention call described by `prefill`. The runner builds everything here from host (scheduler) data; the model
+attention call described by `prefill`, or, when each adds a few tokens to a cached prefix (a speculative verify),
+as absorbed rows, one per query token. The runner builds everything here from host (scheduler) data; the model
 never reads a device tensor back on the host. Positions, cache slots, context chunks and DCP: docs/model.md.
 """
 
@@ -19,6 +20,9 @@ from kserve.distributed import ContextParallelGroup
 DENSE_MASK_MAX_ELEMENTS = 1 << 20
 # Most cached context positions a prefill step decompresses through kv_b_proj at once (EngineConfig's default).
 DEFAULT_CONTEXT_CHUNK_TOKENS = 8192
+# Prefill sequences that each add at most this many tokens to a cached prefix attend as absorbed decode rows:
+# reading the latents per query row costs less than decompressing every context through kv_b_proj.
+ROW_QUERY_MAX_LEN = 16
 
 
 def slot_of(block_table: list[int], position: int, block_size: int) -> int:
@@ -89,6 +93,10 @@ class PrefillMetadata:
     # None: one gather and one attention call over every context (the fields above). Otherwise the
     # chunked path: per sequence, its new tokens causally, then these chunks of its cached prefix.
     context_chunks: tuple[ContextChunk, ...] | None = None
+    # Or the absorbed rows: query j of sequence i as a decode row over sequence i's blocks seeing
+    # context_lens[i] - query_lens[i] + j + 1 positions ([num_tokens, max_blocks] int32, [num_tokens] int32).
+    row_block_tables: torch.Tensor | None = None
+    row_context_lens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -152,6 +160,7 @@ class ForwardBatch:
         context_chunk_tokens: int = DEFAULT_CONTEXT_CHUNK_TOKENS,
         context_parallel: ContextParallelGroup | None = None,
         scratch_slot: int | None = None,
+        row_query_max_len: int = ROW_QUERY_MAX_LEN,
     ) -> ForwardBatch:
         """All of a step's metadata from host lists (block table rows may differ in length).
 
@@ -201,7 +210,25 @@ class ForwardBatch:
             np.cumsum(p_query, out=cu_q[1:])
             cu_k = np.zeros(len(p_context) + 1, dtype=np.int32)
             np.cumsum(p_context, out=cu_k[1:])
-        if num_decode < num_seqs and (dcp is not None or sum(p_context) > context_chunk_tokens):
+        as_rows = num_decode < num_seqs and dcp is None and all(
+            q <= row_query_max_len and c > q for q, c in zip(p_query, p_context)
+        )
+        if as_rows:
+            row_seq, row_context = [], []
+            for i, q, c in zip(rows, p_query, p_context):
+                row_seq += [i] * q
+                row_context += range(c - q + 1, c + 1)
+            prefill = PrefillMetadata(
+                token_start=int(query_start[num_decode]),
+                query_lens=p_query,
+                context_lens=p_context,
+                cu_seqlens_q=dev(cu_q),
+                cu_seqlens_k=dev(cu_k),
+                context_slots=dev(np.zeros(0, dtype=np.int64)),
+                row_block_tables=dev(table_array[row_seq]),
+                row_context_lens=dev(np.asarray(row_context, dtype=np.int32)),
+            )
+        elif num_decode < num_seqs and (dcp is not None or sum(p_context) > context_chunk_tokens):
             chunks = _context_chunks(
                 [table_array[i] for i in rows], p_query, p_context, block_size, context_chunk_tokens, dcp,
                 scratch_slot if scratch_slot is not None else 0, dev,
@@ -265,6 +292,7 @@ class ForwardBatch:
         device: torch.device | str = "cpu",
         kv_scale: float = 1.0,
         context_chunk_tokens: int = DEFAULT_CONTEXT_CHUNK_TOKENS,
+        row_query_max_len: int = ROW_QUERY_MAX_LEN,
     ) -> ForwardBatch:
         """A batch whose sequences own consecutive, disjoint blocks starting at `first_block`.
 
@@ -291,6 +319,7 @@ class ForwardBatch:
             device=device,
             kv_scale=kv_scale,
             context_chunk_tokens=context_chunk_tokens,
+            row_query_max_len=row_query_max_len,
         )
 
 
