@@ -210,58 +210,39 @@ class ForwardBatch:
             np.cumsum(p_query, out=cu_q[1:])
             cu_k = np.zeros(len(p_context) + 1, dtype=np.int32)
             np.cumsum(p_context, out=cu_k[1:])
-        as_rows = num_decode < num_seqs and dcp is None and all(
-            q <= row_query_max_len and c > q for q, c in zip(p_query, p_context)
-        )
-        if as_rows:
-            row_seq, row_context = [], []
-            for i, q, c in zip(rows, p_query, p_context):
-                row_seq += [i] * q
-                row_context += range(c - q + 1, c + 1)
-            prefill = PrefillMetadata(
-                token_start=int(query_start[num_decode]),
-                query_lens=p_query,
-                context_lens=p_context,
-                cu_seqlens_q=dev(cu_q),
-                cu_seqlens_k=dev(cu_k),
-                context_slots=dev(np.zeros(0, dtype=np.int64)),
-                row_block_tables=dev(table_array[row_seq]),
-                row_context_lens=dev(np.asarray(row_context, dtype=np.int32)),
-            )
-        elif num_decode < num_seqs and (dcp is not None or sum(p_context) > context_chunk_tokens):
-            chunks = _context_chunks(
-                [table_array[i] for i in rows], p_query, p_context, block_size, context_chunk_tokens, dcp,
-                scratch_slot if scratch_slot is not None else 0, dev,
-            )
-            prefill = PrefillMetadata(
-                token_start=int(query_start[num_decode]),
-                query_lens=p_query,
-                context_lens=p_context,
-                cu_seqlens_q=dev(cu_q),
-                cu_seqlens_k=dev(cu_k),
-                context_slots=dev(np.zeros(0, dtype=np.int64)),
-                context_chunks=chunks,
-            )
-        elif num_decode < num_seqs:
-            offsets = np.arange(block_size, dtype=np.int64)
-            context_slots = np.concatenate(
-                [
-                    (table_array[i, : -(-context_lens[i] // block_size)].astype(np.int64)[:, None] * block_size + offsets)
-                    .ravel()[: context_lens[i]]
-                    for i in rows
-                ]
-            )
             cu_q_dev, cu_k_dev = dev(cu_q), dev(cu_k)
-            dense = len(p_query) > 1 and sum(p_query) * sum(p_context) <= DENSE_MASK_MAX_ELEMENTS
-            prefill = PrefillMetadata(
-                token_start=int(query_start[num_decode]),
-                query_lens=p_query,
-                context_lens=p_context,
-                cu_seqlens_q=cu_q_dev,
-                cu_seqlens_k=cu_k_dev,
-                context_slots=dev(context_slots),
-                dense_mask=block_causal_mask(p_query, p_context, cu_q_dev, cu_k_dev) if dense else None,
-            )
+            common = {"token_start": int(query_start[num_decode]), "query_lens": p_query, "context_lens": p_context,
+                      "cu_seqlens_q": cu_q_dev, "cu_seqlens_k": cu_k_dev}
+            no_slots = dev(np.zeros(0, dtype=np.int64))
+            if dcp is None and all(q <= row_query_max_len and c > q for q, c in zip(p_query, p_context)):
+                row_seq, row_context = [], []
+                for i, q, c in zip(rows, p_query, p_context):
+                    row_seq += [i] * q
+                    row_context += range(c - q + 1, c + 1)
+                prefill = PrefillMetadata(
+                    **common, context_slots=no_slots, row_block_tables=dev(table_array[row_seq]),
+                    row_context_lens=dev(np.asarray(row_context, dtype=np.int32)),
+                )
+            elif dcp is not None or sum(p_context) > context_chunk_tokens:
+                chunks = _context_chunks(
+                    [table_array[i] for i in rows], p_query, p_context, block_size, context_chunk_tokens, dcp,
+                    scratch_slot if scratch_slot is not None else 0, dev,
+                )
+                prefill = PrefillMetadata(**common, context_slots=no_slots, context_chunks=chunks)
+            else:
+                offsets = np.arange(block_size, dtype=np.int64)
+                context_slots = np.concatenate(
+                    [
+                        (table_array[i, : -(-context_lens[i] // block_size)].astype(np.int64)[:, None] * block_size
+                         + offsets).ravel()[: context_lens[i]]
+                        for i in rows
+                    ]
+                )
+                dense = len(p_query) > 1 and sum(p_query) * sum(p_context) <= DENSE_MASK_MAX_ELEMENTS
+                prefill = PrefillMetadata(
+                    **common, context_slots=dev(context_slots),
+                    dense_mask=block_causal_mask(p_query, p_context, cu_q_dev, cu_k_dev) if dense else None,
+                )
         slot_array = np.asarray(slots, dtype=np.int64)
         context_array = np.asarray(context_lens, dtype=np.int32)
         if dcp is not None:
