@@ -85,11 +85,58 @@ def test_chat_streaming_wire_format(server, ctx):
     assert len(finishes) == 1 and finishes[0] in ("stop", "length")
     usage = events[-1]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
+    # asked for usage, every chunk before the usage chunk carries "usage": null, as OpenAI's do
+    assert all("usage" in e and e["usage"] is None for e in events[:-1])
     finish_choice = next(c for e in events for c in e["choices"] if c["finish_reason"])
     assert finish_choice["usage"] == usage["usage"]  # Moonshot-style copy for the K2 vendor verifier
     entries = [t for e in events for c in e["choices"] for t in ((c.get("logprobs") or {}).get("content") or [])]
     assert len(entries) == usage["usage"]["completion_tokens"]
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + usage["usage"]["completion_tokens"]
+
+
+def test_stream_without_include_usage_sends_no_usage_key(server, ctx):
+    body = {"model": ctx.model_name, "messages": MESSAGES, "max_tokens": 4, "seed": 3, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line and line != "data: [DONE]"]
+    assert events and all("usage" not in e for e in events)
+
+
+NULLED_CHAT_FIELDS = ("n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "min_tokens",
+                      "ignore_eos", "stop", "seed", "temperature", "top_p", "logit_bias", "tools", "tool_choice",
+                      "response_format", "user", "max_completion_tokens", "parallel_tool_calls")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nostream", "stream"])
+def test_null_fields_mean_their_defaults(server, ctx, stream):
+    """Clients that serialize unset fields as null (not the official SDK, which leaves them out) get the answer
+    the same request without them gets: OpenAI's schemas type these fields "... or null"."""
+    def post(body):
+        body = {"model": ctx.model_name, "messages": MESSAGES, "max_tokens": 6, "seed": 9, "temperature": 0.0,
+                **({"stream": True, "stream_options": {"include_usage": True}} if stream else {}), **body}
+        resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        if not stream:
+            out = resp.json()
+            return out["choices"][0]["message"].get("content"), out["usage"]["completion_tokens"]
+        events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+        text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+        return text, events[-1]["usage"]["completion_tokens"]
+
+    nulled = {field: None for field in NULLED_CHAT_FIELDS if not (stream and field == "stream")}
+    nulled["messages"] = [{**m, "name": None, "tool_calls": None} for m in MESSAGES]
+    if stream:
+        nulled["stream_options"] = {"include_usage": True}
+    assert post(nulled) == post({})
+    completion = {"model": ctx.model_name, "prompt": "hello", "max_tokens": 4, "seed": 9, "n": None, "echo": None,
+                  "stream": None, "logprobs": None, "presence_penalty": None, "skip_special_tokens": None}
+    resp = httpx.post(server.base_url + "/v1/completions", json=completion, timeout=120)
+    assert resp.status_code == 200 and len(resp.json()["choices"]) == 1, resp.text
+
+
+def test_null_for_a_required_field_is_still_a_400(server, ctx):
+    resp = httpx.post(server.base_url + "/v1/chat/completions", json={"model": ctx.model_name, "messages": None},
+                      timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

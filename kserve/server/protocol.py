@@ -1,17 +1,19 @@
 """Pydantic models of the OpenAI request and response bodies the server speaks.
 
 Requests validate strictly (no string-to-number coercion) and ignore unknown fields; the fields OpenAI
-defines that this server does not implement are listed separately and rejected by name.
+defines that this server does not implement are listed separately and rejected by name. An explicit `null`
+for an optional field means its default, as OpenAI's schemas ("integer or null") and vLLM's read it.
 """
 
 from __future__ import annotations
 
 import time
+import typing
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 16
 MAX_STOP_SEQUENCES = 16
@@ -30,9 +32,23 @@ UNSUPPORTED_COMPLETION_FIELDS: Mapping[str, str] = MappingProxyType({
 })
 
 
+def _admits_none(annotation: Any) -> bool:
+    return annotation is Any or annotation is None or type(None) in typing.get_args(annotation)
+
+
 class StrictRequest(BaseModel):
-    """A request body part: strict types (no string-to-number coercion), unknown fields ignored."""
+    """A request body part: strict types (no string-to-number coercion), unknown fields ignored, and `null`
+    for an optional field whose type has no None (`"n": null`, `"stream": null`) read as the field's default."""
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = {field.alias or name for name, field in cls.model_fields.items()
+                     if not field.is_required() and not _admits_none(field.annotation)}
+        return {key: value for key, value in data.items() if not (value is None and key in defaulted)}
 
 
 class _Response(BaseModel):

@@ -366,7 +366,8 @@ async def stream_chat(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
     rid, model, created = prep.request_id, ctx.model_name, int(time.time())
 
     def chunk(choice: ChatChunkChoice) -> str:
-        return sse_event(ChatCompletionChunk(id=rid, model=model, created=created, choices=[choice]))
+        return sse_event(ChatCompletionChunk(id=rid, model=model, created=created, choices=[choice]),
+                         null_usage=include_usage)
 
     states = [ChoiceStream.start(ctx, prep, i) for i in range(prep.params.n)]
     start = time.monotonic()

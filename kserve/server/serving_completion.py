@@ -206,7 +206,8 @@ async def stream_completion(ctx: ServingContext, prep: PreparedCompletion) -> As
 
     def chunk(index: int, text: str, logprobs: Any = None, finish: str | None = None) -> str:
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)
-        return sse_event(CompletionResponse(id=rid, model=model, created=created, choices=[choice]))
+        return sse_event(CompletionResponse(id=rid, model=model, created=created, choices=[choice]),
+                         null_usage=include_usage)
 
     try:
         if req.echo:

@@ -25,8 +25,13 @@ def _compact_json(data: dict[str, Any]) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
-def sse_event(body: BaseModel | dict[str, Any]) -> str:
-    return f"data: {_compact_json(openai_json(body))}\n\n"
+def sse_event(body: BaseModel | dict[str, Any], *, null_usage: bool = False) -> str:
+    """`null_usage`: the stream was asked for usage, so, as OpenAI does, each chunk before the usage chunk
+    carries `"usage": null`."""
+    data = openai_json(body)
+    if null_usage:
+        data.setdefault("usage", None)
+    return f"data: {_compact_json(data)}\n\n"
 
 
 def sse_typed_event(data: dict[str, Any]) -> str:
