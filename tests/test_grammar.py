@@ -99,6 +99,22 @@ def test_auto_leaves_text_free_and_binds_sections(k2):
     assert run(tok, g, open_section)[0] is False  # cannot stop before the section ends
 
 
+def test_auto_with_an_answer_schema_allows_a_section_or_that_json(k2):
+    """tools with tool_choice auto beside a response format: call, or answer in the format, never free text."""
+    tok, compiler = k2
+    answer = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    g = compiler.compile(GrammarSpec.tools([WEATHER], "auto", answer=answer))
+    section = SECTION_BEGIN + call_text("get_weather", 0, '{"city": "Oslo"}') + SECTION_END
+    assert run(tok, g, section) == (True, True)
+    assert run(tok, g, '{"n": 3}') == (True, True)
+    assert run(tok, g, "Just text")[0] is False
+    assert run(tok, g, '{"n": "3"}')[0] is False
+    assert run(tok, g, '{"n": 3}' + section)[0] is False  # one or the other
+    assert run(tok, g, SECTION_BEGIN + call_text("get_weather", 0, '{"town": "x"}') + SECTION_END)[0] is False
+    with pytest.raises(GrammarError):
+        GrammarSpec.tools([WEATHER], "required", answer=answer)
+
+
 def test_turn_markers_are_never_allowed(k2):
     tok, compiler = k2
     g = compiler.compile(GrammarSpec.tools([WEATHER], "auto"))

@@ -183,6 +183,33 @@ def test_auto_mode_calls_only_declared_tools_with_valid_arguments(client, model,
     assert calls >= 20
 
 
+def test_response_format_beside_tools_holds_every_answer_that_is_not_a_call(client, model, server):
+    """tool_choice auto with a response format: each reply is either valid calls or content in the format."""
+    answer = {"type": "object", "properties": {"summary": {"type": "string", "maxLength": 20},
+                                               "score": {"type": "integer"}}, "required": ["summary", "score"],
+              "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer, "strict": True}}
+    tok = server.app.state.server.context.tokenizer
+    nudge = {str(tok.special_ids["<|tool_calls_section_begin|>"]): 30.0,
+             str(tok.special_ids["<|tool_calls_section_end|>"]): 30.0, str(tok.im_end_id): 20.0}
+    kinds = []
+    for i in range(12):
+        result = chat(client, model, i % 3 == 0, tools=[WEATHER], tool_choice="auto", response_format=rf,
+                      temperature=1.0, seed=100 + i, logit_bias=nudge if i % 2 else None)
+        content, calls, finish = result
+        if calls or finish == "tool_calls":
+            kinds.append(check_calls([WEATHER], result, required=True))
+        else:
+            kinds.append(check_json(answer, result) if finish != "length" else "length")
+    print(f"\nresponse format beside tools: {kinds}")
+    assert "tool_calls" in kinds and "stop" in kinds, kinds  # both ways were checked
+    bad = {"type": "object", "properties": {"s": {"type": "string", "minLength": 10**12}}}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={
+        "model": model, "messages": USER, "max_tokens": 8, "tools": [WEATHER],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
 def test_named_tool_choice_forces_exactly_that_call(client, model):
     choice = {"type": "function", "function": {"name": "web.search-v2"}}
     finishes = []

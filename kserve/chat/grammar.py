@@ -51,13 +51,15 @@ class GrammarSpec:
       - "tools": output follows K2's tool-call format for the tools in payload, with `mode`
         "required" (one section of one or more calls, nothing else), "forced" (one call to the one
         tool in payload) or "auto" (free text; once a section opens, names and arguments are bound,
-        and the turn ends with the section).
+        and the turn ends with the section). An "auto" spec with an `answer` schema (a response format
+        beside tools) allows a section or, instead of free text, one JSON value matching it.
     """
 
     kind: Literal["json_schema", "json_object", "tools"]
     payload: str = "null"
     mode: Literal["auto", "required", "forced"] = "auto"
     parallel_tool_calls: bool = True
+    answer: str | None = None
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool) -> "GrammarSpec":
@@ -73,11 +75,15 @@ class GrammarSpec:
         tools: list[dict[str, Any]],
         mode: Literal["auto", "required", "forced"],
         parallel_tool_calls: bool = True,
+        answer: dict[str, Any] | bool | None = None,
     ) -> "GrammarSpec":
         """`tools` are OpenAI tool objects; non-strict tools still bind names, and bind arguments
         to their schema (a tool-call must at least be a JSON object)."""
         functions = [_tool_function(t) for t in tools]
-        return cls("tools", _canonical(functions), mode, parallel_tool_calls)
+        if answer is not None and mode != "auto":
+            raise GrammarError("an answer schema applies only when the model may answer instead of calling")
+        return cls("tools", _canonical(functions), mode, parallel_tool_calls,
+                   None if answer is None else _canonical(answer))
 
 
 def _canonical(value: Any) -> str:
@@ -198,10 +204,13 @@ class GrammarCompiler:
         body = one_call
         if spec.parallel_tool_calls and spec.mode != "forced":
             body = st.PlusFormat(content=one_call)
-        if spec.mode in ("required", "forced"):
+        if spec.mode in ("required", "forced") or spec.answer is not None:
             fmt = st.SequenceFormat(
                 elements=[st.TokenFormat(token=ids[SECTION_BEGIN]), body, st.TokenFormat(token=ids[SECTION_END])]
             )
+            if spec.answer is not None:  # a section, or the answer in the response format
+                answer = st.GrammarFormat(grammar=json_value_ebnf(json.loads(spec.answer)))
+                fmt = st.OrFormat(elements=[fmt, answer])
         else:
             section = st.TagFormat(
                 begin=st.TokenFormat(token=ids[SECTION_BEGIN]),

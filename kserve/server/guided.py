@@ -7,6 +7,7 @@ applies only after the model's `</think>` (`AfterReasoning`). Details: docs/serv
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -32,19 +33,28 @@ def grammar_spec(
     if not guided_decoding:
         return None
     parallel = parallel_tool_calls is not False
+    answer = _answer_schema(response_format)
     if tools and tool_choice != "none":
         if tool_choice == "required":
             return GrammarSpec.tools(tools, "required", parallel)
         if isinstance(tool_choice, dict):
             name = tool_choice["function"]["name"]
             return GrammarSpec.tools([t for t in tools if t["function"]["name"] == name], "forced")
-        if tool_grammar or any(t["function"].get("strict") for t in tools):
-            return GrammarSpec.tools(tools, "auto", parallel)
-    if response_format is not None:
-        if response_format.type == "json_object":
-            return GrammarSpec.json_object()
-        if response_format.type == "json_schema" and response_format.json_schema is not None:
-            return GrammarSpec.json_schema(response_format.json_schema.schema_)
+        # The model may call or answer: an answer follows the response format, a call its tool's schema.
+        if answer is not None or tool_grammar or any(t["function"].get("strict") for t in tools):
+            return GrammarSpec.tools(tools, "auto", parallel, answer=answer)
+    if answer is None:
+        return None
+    return GrammarSpec.json_object() if response_format.type == "json_object" else GrammarSpec.json_schema(answer)
+
+
+def _answer_schema(response_format: ResponseFormat | None) -> dict[str, Any] | bool | None:
+    if response_format is None:
+        return None
+    if response_format.type == "json_object":
+        return {"type": "object"}
+    if response_format.type == "json_schema" and response_format.json_schema is not None:
+        return response_format.json_schema.schema_
     return None
 
 
@@ -52,11 +62,15 @@ async def compile_grammar(compiler: Any, spec: GrammarSpec | None) -> CompiledGr
     """Compile in a worker thread (xgrammar releases the GIL); a schema it cannot handle is a 400."""
     if spec is None or compiler is None:
         return None
-    try:
-        return await asyncio.to_thread(compiler.compile, spec)
-    except GrammarError as exc:
-        param = "response_format" if spec.kind != "tools" else "tools"
-        raise bad_request(str(exc), param, "invalid_schema") from None
+    parts = [(spec, "response_format" if spec.kind != "tools" else "tools")]
+    if spec.kind == "tools" and spec.answer is not None:  # name the field whose schema fails
+        parts.insert(0, (GrammarSpec.json_schema(json.loads(spec.answer)), "response_format"))
+    for part, param in parts:
+        try:
+            compiled = await asyncio.to_thread(compiler.compile, part)
+        except GrammarError as exc:
+            raise bad_request(str(exc), param, "invalid_schema") from None
+    return compiled
 
 
 class _AfterReasoningMatcher:
