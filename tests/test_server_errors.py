@@ -126,6 +126,13 @@ BAD_INPUTS = [
      ["sometimes"]),
     ("tool-choice-required-no-tools", CHAT, chat(tool_choice="required"), 400, "tool_choice", ["tools"]),
     ("legacy-functions", CHAT, chat(functions=[{"name": "f"}]), 400, "functions", ["functions", "tools"]),
+    # vLLM's extensions, which an ignoring server would answer unconstrained with a 200
+    ("vllm-guided-json", CHAT, chat(guided_json={"type": "object"}), 400, "guided_json", ["response_format"]),
+    ("vllm-structured-outputs", CHAT, chat(structured_outputs={"choice": ["a", "b"]}), 400, "structured_outputs",
+     ["response_format"]),
+    ("vllm-continue-final-message", CHAT, chat(continue_final_message=True, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]), 400, "continue_final_message",
+     ["final assistant message"]),
     ("response-format-bad-type", CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type",
      ["response_format"]),
     ("response-format-missing-schema", CHAT, chat(response_format={"type": "json_schema"}), 400,
@@ -466,6 +473,11 @@ def test_client_disconnect_is_499_on_both_endpoints(ending):
     assert endpoint_status.get((CHAT, 499)) == 1, endpoint_status
     assert endpoint_status.get((COMPLETIONS, 499)) == 1, endpoint_status
     assert len(engine.aborted) >= 2
+
+
+def test_vllm_switches_at_their_defaults_are_accepted(http):
+    resp = http.post(CHAT, json=chat(continue_final_message=False, guided_json=None, structured_outputs=None))
+    assert resp.status_code == 200, resp.text
 
 
 def test_server_still_serving_after_bad_inputs(server):

@@ -14,7 +14,7 @@ from kserve.chat import normalize_tool_call_ids
 from kserve.server.context import ServingContext
 from kserve.server.errors import bad_request
 from kserve.server.media import ImageRef, check_rendered, collect_images, prompt_with_images
-from kserve.server.protocol import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
+from kserve.server.protocol import UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_CHAT_VALUES, ChatCompletionRequest
 from kserve.server.thinking import ReasoningMode, ThinkingSwitch, reasoning_mode, requested_thinking
 from kserve.server.tool_contract import callable_tools
 from kserve.server.validation import (
@@ -24,6 +24,7 @@ from kserve.server.validation import (
     normalize_messages,
     normalize_tools,
     reject_unsupported,
+    reject_unsupported_values,
     resolve_tool_choice,
 )
 
@@ -53,6 +54,7 @@ def render_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, 
                 add_generation_prompt: bool = True) -> RenderedChat:
     """Check `req` (`raw` is the body as sent, for fields the model drops) and encode its prompt."""
     reject_unsupported(raw, UNSUPPORTED_CHAT_FIELDS)
+    reject_unsupported_values(raw, UNSUPPORTED_CHAT_VALUES)
     ctx.check_model(req.model)
     check_chat_request(req)
     thinking = requested_thinking(req)

@@ -26,6 +26,17 @@ UNSUPPORTED_CHAT_FIELDS: Mapping[str, str] = MappingProxyType({
     "audio": "audio output is not supported by this text-only model",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "built-in web search is not supported",
+    # vLLM's extensions: ignoring them would return unconstrained text with a 200
+    "guided_json": "vLLM's 'guided_json' is not supported; use 'response_format' (json_schema)",
+    "guided_regex": "vLLM's 'guided_regex' is not supported; use 'response_format' (json_schema)",
+    "guided_choice": "vLLM's 'guided_choice' is not supported; use 'response_format' with an enum schema",
+    "guided_grammar": "vLLM's 'guided_grammar' is not supported; use 'response_format' (json_schema)",
+    "structured_outputs": "vLLM's 'structured_outputs' is not supported; use 'response_format' (json_schema)",
+})
+# Values of vLLM's template switches that ask for what this server does not do: field -> (value, why).
+UNSUPPORTED_CHAT_VALUES: Mapping[str, tuple[Any, str]] = MappingProxyType({
+    "continue_final_message": (True, "continuing the final assistant message is not supported; end the "
+                                     "conversation with a user or tool message"),
 })
 UNSUPPORTED_COMPLETION_FIELDS: Mapping[str, str] = MappingProxyType({
     "suffix": "'suffix' (insertion) is not supported",

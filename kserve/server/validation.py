@@ -48,6 +48,13 @@ def reject_unsupported(raw: dict[str, Any], unsupported: Mapping[str, str]) -> N
                        param=present[0], code="unsupported_parameter")
 
 
+def reject_unsupported_values(raw: dict[str, Any], unsupported: Mapping[str, tuple[Any, str]]) -> None:
+    for key, (value, why) in unsupported.items():
+        if raw.get(key) is value:
+            raise APIError(400, f"unsupported value {value!r} for {key!r}: {why}", param=key,
+                           code="unsupported_parameter")
+
+
 def normalize_stop(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP_SEQUENCES:
