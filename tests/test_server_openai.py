@@ -41,6 +41,17 @@ def test_models_and_health(server, client, ctx):
     assert httpx.get(server.base_url + "/docs").status_code == 200
 
 
+def test_retrieve_model_by_id(client, ctx):
+    card = client.models.retrieve(ctx.model_name)
+    assert (card.id, card.object) == (ctx.model_name, "model")
+    assert card.created == client.models.list().data[0].created
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4o")
+    assert caught.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):  # a slash in the id is part of the id, not a route
+        client.models.retrieve(f"org/{ctx.model_name}")
+
+
 def test_chat_non_streaming_usage_matches_real_token_counts(client, ctx):
     resp = client.chat.completions.create(model=ctx.model_name, messages=MESSAGES, max_tokens=12, seed=7,
                                           logprobs=True, top_logprobs=2)
@@ -302,3 +313,4 @@ def test_metrics_exposes_engine_stats(server, client, ctx):
         assert line.startswith(("# HELP ", "# TYPE ")) or sample.match(line), line
     ttft_count = re.search(r"^kserve_time_to_first_token_seconds_count (\d+)$", text, re.MULTILINE)
     assert ttft_count and int(ttft_count.group(1)) >= 1
+

@@ -318,10 +318,18 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None,
         return PlainTextResponse(state.metrics.render(stats, name, ctx is not None),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card(ctx: ServingContext) -> ModelCard:
+        return ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len,
+                         created=int(state.loaded_at or time.time()))
+
     @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(require_auth)])
     async def models(ctx: ServingContext = Depends(context)) -> ModelList:
-        return ModelList(data=[ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len,
-                                         created=int(state.loaded_at or time.time()))])
+        return ModelList(data=[model_card(ctx)])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=[Depends(require_auth)])
+    async def retrieve_model(model_id: str, ctx: ServingContext = Depends(context)) -> ModelCard:
+        ctx.check_model(model_id)  # 404 model_not_found, as OpenAI answers an unknown id
+        return model_card(ctx)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               dependencies=[Depends(require_auth)])
