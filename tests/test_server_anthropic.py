@@ -183,8 +183,14 @@ def test_bad_input_gets_anthropic_errors_and_the_server_keeps_serving(server, cl
     bad_tool = {**WEATHER, "input_schema": {"type": "object", "properties": {"city": {"type": 12}}}}
     err = _anthropic_error(server, {"model": model, "max_tokens": 4, "messages": [user], "tools": [bad_tool]})
     assert "tools.0.input_schema" in err["message"]
-    prefill = {"model": model, "max_tokens": 4, "messages": [user, {"role": "assistant", "content": "Sure"}]}
-    assert "prefill" in _anthropic_error(server, prefill)["message"]
+    # prefill: under thinking (Anthropic refuses it too), or holding a tool_use, it cannot be continued
+    prefill = {"model": model, "max_tokens": 4, "messages": [user, {"role": "assistant", "content": "Sure"}],
+               "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    assert "thinking off" in _anthropic_error(server, prefill)["message"]
+    called = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                "input": {"city": "Rome"}}]}
+    err = _anthropic_error(server, {"model": model, "max_tokens": 4, "messages": [user, called], "tools": [WEATHER]})
+    assert "messages.1" in err["message"] and "text blocks only" in err["message"]
     err = _anthropic_error(server, {"model": "claude-nope", "max_tokens": 4, "messages": [user]}, status=404)
     assert err["type"] == "not_found_error"
     with pytest.raises(anthropic.NotFoundError):
@@ -198,6 +204,27 @@ def test_bad_input_gets_anthropic_errors_and_the_server_keeps_serving(server, cl
                     headers={"anthropic-version": "2023-06-01", "anthropic-beta": "interleaved-thinking-2025-05-14"},
                     json={"model": model, "max_tokens": 2, "messages": [user]})
     assert ok.status_code == 200 and ok.json()["type"] == "message"
+
+
+def test_prefill_continues_the_reply_as_chat_completions_does(client, chat_client, ctx, engine_prompts):
+    """A final assistant message is the reply's start: thinking is off unless asked for (Anthropic's default), the
+    prompt is chat completions' continue_final_message prompt, and the reply holds only what follows."""
+    start = "The answer is"
+    msg = client.messages.create(model=ctx.model_name, max_tokens=6, extra_body=GREEDY, messages=[
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": [{"type": "text", "text": start}]}])
+    assert [b.type for b in msg.content] == ["text"]
+    chat = chat_client.chat.completions.create(
+        model=ctx.model_name, max_tokens=6, temperature=0, extra_body={"continue_final_message": True},
+        messages=[{"role": "user", "content": QUESTION}, {"role": "assistant", "content": start}])
+    assert engine_prompts[0] == engine_prompts[1]
+    assert ctx.tokenizer.decode(engine_prompts[0]).endswith("<think></think>" + start)
+    assert msg.content[0].text == chat.choices[0].message.content and not msg.content[0].text.startswith(start)
+    counted = client.messages.count_tokens(model=ctx.model_name, messages=[
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": start}])
+    assert counted.input_tokens == len(engine_prompts[0]) == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    with client.messages.stream(model=ctx.model_name, max_tokens=6, extra_body=GREEDY, messages=[
+            {"role": "user", "content": QUESTION}, {"role": "assistant", "content": start}]) as stream:
+        assert stream.get_final_text() == msg.content[0].text
 
 
 def _request(headers: dict[str, str]) -> Request:

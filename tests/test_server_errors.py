@@ -27,6 +27,7 @@ MAX_MODEL_LEN = 256
 BODY_LIMIT = 64 * 1024
 MODEL = "tiny"
 OK_MESSAGES = [{"role": "user", "content": "hi"}]
+PREFILLED = [*OK_MESSAGES, {"role": "assistant", "content": "Hel"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
@@ -130,9 +131,22 @@ BAD_INPUTS = [
     ("vllm-guided-json", CHAT, chat(guided_json={"type": "object"}), 400, "guided_json", ["response_format"]),
     ("vllm-structured-outputs", CHAT, chat(structured_outputs={"choice": ["a", "b"]}), 400, "structured_outputs",
      ["response_format"]),
-    ("vllm-continue-final-message", CHAT, chat(continue_final_message=True, messages=[
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]), 400, "continue_final_message",
-     ["final assistant message"]),
+    # continuing a final assistant message (vLLM's continue_final_message): what cannot be continued
+    ("continue-after-a-user-message", CHAT, chat(continue_final_message=True), 400, "continue_final_message",
+     ["final assistant message", "user"]),
+    ("continue-with-a-generation-prompt", CHAT, chat(continue_final_message=True, add_generation_prompt=True,
+                                                     messages=PREFILLED), 400, "add_generation_prompt", ["both"]),
+    ("no-generation-prompt-without-continuing", CHAT, chat(add_generation_prompt=False), 400,
+     "add_generation_prompt", ["continue_final_message"]),
+    ("continue-a-tool-call", CHAT, chat(continue_final_message=True, messages=[
+        *OK_MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]),
+     400, "messages[1].tool_calls", ["tool calls"]),
+    ("continue-under-thinking", CHAT, chat(continue_final_message=True, messages=PREFILLED,
+                                           chat_template_kwargs={"thinking": True}), 400, "thinking", ["thinking off"]),
+    ("continue-with-a-response-format", CHAT, chat(continue_final_message=True, messages=PREFILLED,
+                                                   response_format={"type": "json_object"}), 400, "response_format",
+     ["continuing"]),
     ("response-format-bad-type", CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type",
      ["response_format"]),
     ("response-format-missing-schema", CHAT, chat(response_format={"type": "json_schema"}), 400,
@@ -477,6 +491,8 @@ def test_client_disconnect_is_499_on_both_endpoints(ending):
 
 def test_vllm_switches_at_their_defaults_are_accepted(http):
     resp = http.post(CHAT, json=chat(continue_final_message=False, guided_json=None, structured_outputs=None))
+    assert resp.status_code == 200, resp.text
+    resp = http.post(CHAT, json=chat(continue_final_message=True, add_generation_prompt=False, messages=PREFILLED))
     assert resp.status_code == 200, resp.text
 
 

@@ -314,3 +314,28 @@ def test_metrics_exposes_engine_stats(server, client, ctx):
     ttft_count = re.search(r"^kserve_time_to_first_token_seconds_count (\d+)$", text, re.MULTILINE)
     assert ttft_count and int(ttft_count.group(1)) >= 1
 
+
+def test_continue_final_message_continues_the_reply(client, ctx, engine_prompts):
+    """vLLM's continue_final_message: the prompt is the conversation with its final assistant message rendered as
+    history (thinking off) minus that turn's end token, and the reply is only what follows the given start."""
+    history = [{"role": "user", "content": "Say hello to the team."},
+               {"role": "assistant", "content": "Hello <|im_end|> t"}]
+    dialect = ModelConfig.from_model_dir(ctx.engine.model_dir).chat_dialect
+    template = ChatTemplate.load(ctx.engine.model_dir, dialect=dialect)
+    as_history = template.encode(ctx.tokenizer, history, add_generation_prompt=False, thinking=False)
+    assert as_history[-1] == ctx.tokenizer.special_ids["<|im_end|>"]
+    common = {"model": ctx.model_name, "max_tokens": 8, "temperature": 0}
+    resp = client.chat.completions.create(messages=history, extra_body={"continue_final_message": True,
+                                                                        "add_generation_prompt": False}, **common)
+    assert engine_prompts[-1] == as_history[:-1]  # the client's "<|im_end|>" stays text
+    assert getattr(resp.choices[0].message, "reasoning_content", None) is None
+    # the reply is the greedy continuation of exactly that prompt, without the start it was given
+    plain = client.completions.create(prompt=as_history[:-1], **common)
+    assert resp.choices[0].message.content == plain.choices[0].text
+    assert resp.usage.prompt_tokens == len(as_history) - 1
+    streamed = client.chat.completions.create(messages=history, stream=True,
+                                              extra_body={"continue_final_message": True}, **common)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == plain.choices[0].text
+    tokenized = httpx.post(str(client.base_url).removesuffix("v1/") + "tokenize", timeout=60,
+                           json={"messages": history, "continue_final_message": True}).json()
+    assert tokenized["tokens"] == as_history[:-1]

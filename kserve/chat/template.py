@@ -240,8 +240,11 @@ class ChatTemplate:
 
     def encode(self, tokenizer, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
                legacy: bool = False, *, thinking: bool | None = None,
-               preserve_thinking: bool | None = None) -> list[int]:
+               preserve_thinking: bool | None = None, continuation: str = "") -> list[int]:
         """Prompt ids: template control tokens become single ids; client text never does.
+
+        ``continuation`` is client text written after the generation prompt (a final assistant message the reply
+        continues), encoded as if the template had written it there.
 
         Client strings are rendered a second time with the first character of every control token (``<``, ``[``)
         replaced by an unused private-use character, so every control-token string left in that render was written
@@ -253,6 +256,7 @@ class ChatTemplate:
         messages = expand_dynamic_tools(self.dialect, messages)
         prepared = prepare_tools(self.dialect, tools)
         text = self._render_prepared(messages, prepared, add_generation_prompt, thinking, preserve_thinking)
+        text += continuation
         if legacy:
             return tokenizer.encode(text, allow_special_tokens=True)
         starts = sorted({token[0] for token in tokenizer.special_ids})
@@ -262,6 +266,7 @@ class ChatTemplate:
         marked = self._render_prepared(_translate_strings(messages, hide),
                                        prepared.translated(lambda value: _translate_strings(value, hide)),
                                        add_generation_prompt, thinking, preserve_thinking)
+        marked += continuation.translate(hide)
         if len(marked) != len(text) or marked.translate(unhide) != text:
             raise ValueError(f"chat template {self.origin} transforms client text; cannot separate control tokens")
         ids: list[int] = []

@@ -255,9 +255,11 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
         else:
             turn, open_calls = _assistant_turn(msg, where)
             out.append(turn)
-    if req.messages[-1].role == "assistant":
-        raise invalid(f"messages.{len(req.messages) - 1}: a final assistant message (prefill, continuing the "
-                      "reply) is not supported; end the conversation with a user message")
+    if req.messages[-1].role == "assistant":  # prefill: the reply continues it (chat_body)
+        last = out[-1]
+        if last.get("tool_calls") or last.get("reasoning_content") is not None:
+            raise invalid(f"messages.{len(req.messages) - 1}: a final assistant message is continued as the reply's "
+                          "text, so it may hold text blocks only (no tool_use or thinking)")
     return out
 
 
@@ -293,6 +295,8 @@ def _chat_tool_choice(choice: AnthropicToolChoice, has_tools: bool) -> str | dic
 def chat_body(req: CountTokensRequest) -> dict[str, Any]:
     """The chat-completions body this request means (sampling fields only for a MessagesRequest)."""
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req)}
+    if req.messages[-1].role == "assistant":
+        body["continue_final_message"] = True
     if req.thinking is not None:
         body.update(thinking_body(_THINKING_SWITCH[req.thinking.type]))
     tools = chat_tools(req)

@@ -14,17 +14,23 @@ from kserve.chat import normalize_tool_call_ids
 from kserve.server.context import ServingContext
 from kserve.server.errors import bad_request
 from kserve.server.media import ImageRef, check_rendered, collect_images, prompt_with_images
-from kserve.server.protocol import UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_CHAT_VALUES, ChatCompletionRequest
-from kserve.server.thinking import ReasoningMode, ThinkingSwitch, reasoning_mode, requested_thinking
+from kserve.server.protocol import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
+from kserve.server.thinking import (
+    ReasoningMode,
+    ThinkingSwitch,
+    continuing_thinking,
+    reasoning_mode,
+    requested_thinking,
+)
 from kserve.server.tool_contract import callable_tools
 from kserve.server.validation import (
     ROLE_ALIASES,
     ROLE_ALIASES_KEEPING_DEVELOPER,
     check_chat_request,
+    continued_text,
     normalize_messages,
     normalize_tools,
     reject_unsupported,
-    reject_unsupported_values,
     resolve_tool_choice,
 )
 
@@ -51,10 +57,10 @@ def function_tool(name: str, description: str | None, parameters: dict[str, Any]
 
 
 def render_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, Any], *,
-                add_generation_prompt: bool = True) -> RenderedChat:
-    """Check `req` (`raw` is the body as sent, for fields the model drops) and encode its prompt."""
+                generating: bool = True) -> RenderedChat:
+    """Check `req` (`raw` is the body as sent, for fields the model drops) and encode its prompt; `generating`
+    is False for `/tokenize`, which may leave the generation prompt out."""
     reject_unsupported(raw, UNSUPPORTED_CHAT_FIELDS)
-    reject_unsupported_values(raw, UNSUPPORTED_CHAT_VALUES)
     ctx.check_model(req.model)
     check_chat_request(req)
     thinking = requested_thinking(req)
@@ -66,10 +72,15 @@ def render_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, 
     tools = normalize_tools(req.tools, raw.get("tools"))
     all_tools = callable_tools(messages, tools)  # dynamic tools count for tool_choice, grammar and parsing
     tool_choice = resolve_tool_choice(req.tool_choice, all_tools)
+    add_generation_prompt, continuation = _reply_start(req, messages, generating)
+    if req.continue_final_message:
+        messages = messages[:-1]  # its text follows the generation prompt, as the reply's start
+        thinking = continuing_thinking(dialect, thinking)
     try:
         prompt_ids = ctx.template.encode(ctx.tokenizer, messages, tools=tools or None,
                                          add_generation_prompt=add_generation_prompt,
-                                         legacy=ctx.settings.legacy_prompt_encoding, **thinking.template_kwargs())
+                                         legacy=ctx.settings.legacy_prompt_encoding, continuation=continuation,
+                                         **thinking.template_kwargs())
     except RecursionError:  # tools or messages nested deeper than any renderer can walk
         raise bad_request("could not render the conversation: it is nested too deeply", "messages") from None
     except (ValueError, TypeError, KeyError) as exc:
@@ -77,6 +88,25 @@ def render_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, 
     check_rendered(ctx, prompt_ids, images)
     return RenderedChat(messages, all_tools, tool_choice, prompt_ids, thinking,
                         reasoning_mode(dialect, thinking, ctx.settings.enable_reasoning), images)
+
+
+def _reply_start(req: ChatCompletionRequest, messages: list[dict[str, Any]],
+                 generating: bool) -> tuple[bool, str]:
+    """(whether the prompt ends with the assistant header, the text written after it), as vLLM reads
+    add_generation_prompt and continue_final_message."""
+    if not req.continue_final_message:
+        if req.add_generation_prompt is False and generating:
+            raise bad_request("'add_generation_prompt': false is only supported with 'continue_final_message': "
+                              "true (the reply would start without an assistant header)", "add_generation_prompt")
+        return req.add_generation_prompt is not False, ""
+    if req.add_generation_prompt:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true: the reply "
+                          "continues the final assistant message instead of starting a new one",
+                          "add_generation_prompt")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request("'response_format' cannot be combined with continuing a final assistant message: the "
+                          "format constrains a whole answer, and its start is already written", "response_format")
+    return True, continued_text(messages)
 
 
 async def rendered_prompt(ctx: ServingContext, rendered: RenderedChat) -> list[int]:

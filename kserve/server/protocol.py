@@ -33,11 +33,6 @@ UNSUPPORTED_CHAT_FIELDS: Mapping[str, str] = MappingProxyType({
     "guided_grammar": "vLLM's 'guided_grammar' is not supported; use 'response_format' (json_schema)",
     "structured_outputs": "vLLM's 'structured_outputs' is not supported; use 'response_format' (json_schema)",
 })
-# Values of vLLM's template switches that ask for what this server does not do: field -> (value, why).
-UNSUPPORTED_CHAT_VALUES: Mapping[str, tuple[Any, str]] = MappingProxyType({
-    "continue_final_message": (True, "continuing the final assistant message is not supported; end the "
-                                     "conversation with a user or tool message"),
-})
 UNSUPPORTED_COMPLETION_FIELDS: Mapping[str, str] = MappingProxyType({
     "suffix": "'suffix' (insertion) is not supported",
 })
@@ -174,6 +169,10 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's template arguments; `thinking` / `preserve_thinking` are read, other keys ignored (kserve.server.thinking).
     chat_template_kwargs: dict[str, Any] | None = None
     thinking: ThinkingToggle | None = None
+    # vLLM's: reply by continuing the final assistant message (Anthropic's prefill), which then needs no new
+    # assistant header (add_generation_prompt unset or false). kserve.server.chat_request.
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -48,6 +48,21 @@ def requested_thinking(req: ChatCompletionRequest) -> ThinkingSwitch:
     return ThinkingSwitch(**values)
 
 
+def continuing_thinking(dialect: ChatDialect, switch: ThinkingSwitch) -> ThinkingSwitch:
+    """The switch for a reply that continues the final assistant message: that text is answer, not reasoning,
+    so the turn does not think. Unset, thinking turns off (Anthropic: no `thinking`, no thinking); asked for,
+    or on a model that always thinks, it is a 400 (Anthropic refuses prefill under thinking too)."""
+    if dialect.always_thinks:
+        raise bad_request("this model always reasons before it answers, so a final assistant message cannot be "
+                          "continued", "messages")
+    if not has_thinking_switch(dialect):
+        return switch
+    if switch.thinking:
+        raise bad_request("a final assistant message can only be continued with thinking off: it is the answer's "
+                          "start, not reasoning; set thinking to disabled or leave it unset", "thinking")
+    return ThinkingSwitch(thinking=False, preserve_thinking=switch.preserve_thinking)
+
+
 def thinking_body(enabled: bool | None) -> dict[str, Any]:
     """Moonshot's `thinking` body field for a chat body built from another API (empty: the default)."""
     return {} if enabled is None else {"thinking": {"type": "enabled" if enabled else "disabled"}}

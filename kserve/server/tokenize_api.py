@@ -1,10 +1,10 @@
 """`POST /tokenize` and `POST /detokenize` in vLLM's shapes.
 
 `/tokenize` takes either a completion `prompt` (encoded as `/v1/completions` encodes it: K2's special tokens
-recognized) or chat `messages` (+ `tools`, `add_generation_prompt`, and the thinking switch: `chat_template_kwargs`
-`thinking` / `preserve_thinking` or Moonshot's `thinking` field), checked and rendered exactly as
-`/v1/chat/completions` renders them, and answers `{"count", "max_model_len", "tokens"}` (+ `token_strs`). An
-image counts as its placeholder tokens (each image's `<|media_pad|>` repeated, as the engine gets the prompt):
+recognized) or chat `messages` (+ `tools`, `add_generation_prompt`, `continue_final_message`, and the thinking
+switch: `chat_template_kwargs` `thinking` / `preserve_thinking` or Moonshot's `thinking` field), checked and
+rendered exactly as `/v1/chat/completions` renders them, and answers `{"count", "max_model_len", "tokens"}`
+(+ `token_strs`). An image counts as its placeholder tokens (each image's `<|media_pad|>` repeated, as the engine gets the prompt):
 images are fetched and decoded to know their sizes, and refused as chat completions refuses them.
 """
 
@@ -22,7 +22,7 @@ class TokenizeRequest(StrictRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # unset: true, unless continue_final_message
     chat_template_kwargs: dict[str, Any] | None = None  # read by the chat rendering, as chat completions reads it
     return_token_strs: bool = False
 
@@ -42,10 +42,9 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest, raw: dict[str, Any
     else:
         # The chat request body as /v1/chat/completions would get it: same checks, same rendering.
         body = {**raw, "model": ctx.model_name}
-        for field in ("prompt", "add_generation_prompt", "return_token_strs"):
+        for field in ("prompt", "return_token_strs"):
             body.pop(field, None)
-        rendered = render_chat(ctx, ChatCompletionRequest.model_validate(body), body,
-                               add_generation_prompt=req.add_generation_prompt)
+        rendered = render_chat(ctx, ChatCompletionRequest.model_validate(body), body, generating=False)
         ids = await rendered_prompt(ctx, rendered)  # each image's placeholder tokens counted
     out: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
     if req.return_token_strs:

@@ -48,11 +48,24 @@ def reject_unsupported(raw: dict[str, Any], unsupported: Mapping[str, str]) -> N
                        param=present[0], code="unsupported_parameter")
 
 
-def reject_unsupported_values(raw: dict[str, Any], unsupported: Mapping[str, tuple[Any, str]]) -> None:
-    for key, (value, why) in unsupported.items():
-        if raw.get(key) is value:
-            raise APIError(400, f"unsupported value {value!r} for {key!r}: {why}", param=key,
-                           code="unsupported_parameter")
+def continued_text(messages: list[dict[str, Any]]) -> str:
+    """The text of the final assistant message a reply continues (vLLM's continue_final_message, Anthropic's
+    prefill): plain text only, since neither a tool call nor reasoning can be resumed as answer text."""
+    where = f"messages[{len(messages) - 1}]"
+    last = messages[-1]
+    if last["role"] != "assistant":
+        raise bad_request(f"'continue_final_message' needs a final assistant message to continue; {where} is a "
+                          f"{last['role']} message", "continue_final_message")
+    if last.get("tool_calls"):
+        raise bad_request(f"{where}: a final assistant message with tool calls cannot be continued",
+                          f"{where}.tool_calls")
+    if any(last.get(key) for key in REASONING_FIELDS):
+        raise bad_request(f"{where}: a continued assistant message cannot carry reasoning (the reply does not "
+                          "think)", f"{where}.reasoning_content")
+    content = "" if last.get("content") is None else last["content"]
+    if not isinstance(content, str):
+        raise bad_request(f"{where}: a continued assistant message needs text content", f"{where}.content")
+    return content
 
 
 def normalize_stop(stop: str | list[str] | None) -> list[str]:
