@@ -23,8 +23,11 @@ openai = pytest.importorskip("openai")
 
 from live_server import openai_client, running_server
 
+from kserve.chat import DIALECTS
 from kserve.chat.markers import IM_END, THINK_BEGIN, THINK_END, TOOL_MARKERS
 from kserve.config import EngineConfig
+from kserve.server.errors import APIError
+from kserve.server.thinking import ThinkingSwitch, continuing_thinking, has_thinking_switch
 
 T = TypeVar("T")
 UNIT_SCHEMA = {"type": "object", "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -346,3 +349,23 @@ def test_responses_reasoning_before_function_call(client, ctx, ids):
 
     _, resp = first_attempt(attempt, lambda r: [i.type for i in r.output] == ["reasoning", "function_call"])
     jsonschema.validate(json.loads(resp.output[1].arguments), UNIT_SCHEMA)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS, ids=[d.name for d in DIALECTS])
+def test_a_continued_message_never_opens_reasoning(dialect):
+    """Continuing a final assistant message: where the template honours the switch, unset turns thinking off and
+    on is a 400; where it has none (K2-Instruct) nothing changes; a model that always thinks refuses it."""
+    if dialect.always_thinks:
+        with pytest.raises(APIError, match="always reasons"):
+            continuing_thinking(dialect, ThinkingSwitch())
+        return
+    for asked in (None, False, True):
+        switch = ThinkingSwitch(thinking=asked, preserve_thinking=True)
+        if asked and has_thinking_switch(dialect):
+            with pytest.raises(APIError, match="thinking off") as caught:
+                continuing_thinking(dialect, switch)
+            assert caught.value.param == "thinking"
+            continue
+        continued = continuing_thinking(dialect, switch)
+        assert not dialect.starts_in_reasoning(continued.thinking)  # the given start is read as answer text
+        assert continued.preserve_thinking is True
