@@ -136,7 +136,7 @@ def test_thinking_is_on_by_default_and_reasoning_comes_first_in_both_fields(clie
 
 
 @pytest.mark.parametrize("switch", [{"chat_template_kwargs": {"thinking": False}},
-                                    {"thinking": {"type": "disabled"}}])
+                                    {"thinking": {"type": "disabled"}}, {"reasoning_effort": "none"}])
 def test_thinking_off_gives_no_reasoning_field_and_an_empty_think_block(server, client, ids, engine_prompts, switch):
     body = {"model": "k25", "messages": ASK, "temperature": 0, "max_tokens": 8, **switch}
     raw = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120).json()
@@ -163,6 +163,9 @@ def test_tokenize_takes_the_thinking_switch_and_add_generation_prompt(server, id
                {"role": "user", "content": "And tomorrow?"}]
     on, off = tokens(), tokens(chat_template_kwargs={"thinking": False})
     assert on[-1] == ids[THINK_BEGIN] and off == [*on, ids[THINK_END]]
+    # OpenAI's reasoning_effort: "none" is off, any other effort on, as in the Responses API
+    assert tokens(reasoning_effort="none") == off and tokens(reasoning_effort="minimal") == on
+    assert tokens(reasoning_effort="low", chat_template_kwargs={"thinking": True}) == on
     assert "Recall the forecast." not in text() and "Recall the forecast." in text(
         chat_template_kwargs={"preserve_thinking": True})
     assert not text(add_generation_prompt=False).endswith(THINK_BEGIN)
@@ -176,6 +179,9 @@ def test_tokenize_takes_the_thinking_switch_and_add_generation_prompt(server, id
     ({"thinking": {"type": "on"}}, "thinking.type"),
     ({"thinking": True}, "thinking"),
     ({"thinking": {"type": "enabled"}, "chat_template_kwargs": {"thinking": False}}, "thinking"),
+    ({"reasoning_effort": "maximal"}, "reasoning_effort"),
+    ({"reasoning_effort": "none", "thinking": {"type": "enabled"}}, "reasoning_effort"),
+    ({"reasoning_effort": "high", "chat_template_kwargs": {"thinking": False}}, "reasoning_effort"),
 ])
 def test_bad_thinking_knobs_are_400s_in_openais_shape(client, fields, param):
     with pytest.raises(openai.BadRequestError) as err:

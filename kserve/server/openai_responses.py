@@ -32,14 +32,12 @@ from kserve.server.responses_protocol import (
 from kserve.server.responses_store import ResponseStore, StoredResponse
 from kserve.server.serving_chat import PreparedChat, prepare_chat
 from kserve.server.sse import sse_typed_event
-from kserve.server.thinking import thinking_body
+from kserve.server.thinking import effort_thinking, thinking_body
 from kserve.server.validation import reject_unsupported, schema_problem
 
 logger = logging.getLogger("kserve.server")
 
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
-NO_REASONING_EFFORT = "none"  # OpenAI's effort for "do not reason"
-REASONING_EFFORTS = frozenset({NO_REASONING_EFFORT, "minimal", "low", "medium", "high", "xhigh"})
 _TEXT_PARTS = ("input_text", "output_text")
 _MEDIA_PARTS: Mapping[str, str] = MappingProxyType({
     "input_file": "file input is not supported (this model takes text only)",
@@ -257,12 +255,8 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
 
 def chat_body(req: ResponsesRequest, conversation: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req.instructions, conversation)}
-    effort = req.reasoning.effort if req.reasoning is not None else None
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise bad_request(f"reasoning.effort must be one of {sorted(REASONING_EFFORTS)}, got {effort!r}",
-                          "reasoning.effort")
-    if effort is not None:
-        body.update(thinking_body(effort != NO_REASONING_EFFORT))
+    body.update(thinking_body(effort_thinking(req.reasoning.effort if req.reasoning is not None else None,
+                                              "reasoning.effort")))
     tools = chat_tools(req)
     if tools is not None:
         body["tools"] = tools

@@ -169,6 +169,7 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's template arguments; `thinking` / `preserve_thinking` are read, other keys ignored (kserve.server.thinking).
     chat_template_kwargs: dict[str, Any] | None = None
     thinking: ThinkingToggle | None = None
+    reasoning_effort: str | None = None  # OpenAI's: "none" turns thinking off, any other effort on
     # vLLM's: reply by continuing the final assistant message (Anthropic's prefill), which then needs no new
     # assistant header (add_generation_prompt unset or false). kserve.server.chat_request.
     continue_final_message: bool = False

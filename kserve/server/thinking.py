@@ -16,6 +16,8 @@ from kserve.server.errors import bad_request
 from kserve.server.protocol import ChatCompletionRequest
 
 TEMPLATE_SWITCHES = ("thinking", "preserve_thinking")
+NO_REASONING_EFFORT = "none"  # OpenAI's effort for "do not reason"
+REASONING_EFFORTS = frozenset({NO_REASONING_EFFORT, "minimal", "low", "medium", "high", "xhigh"})
 
 
 @dataclass(frozen=True)
@@ -29,9 +31,19 @@ class ThinkingSwitch:
         return {"thinking": self.thinking, "preserve_thinking": self.preserve_thinking}
 
 
+def effort_thinking(effort: str | None, param: str) -> bool | None:
+    """OpenAI's reasoning effort as the thinking switch: "none" is off, any other effort on (its size is not
+    modelled), unset the default; a 400 naming `param` for an effort OpenAI does not define."""
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(f"{param} must be one of {sorted(REASONING_EFFORTS)}, got {effort!r}", param)
+    return effort != NO_REASONING_EFFORT
+
+
 def requested_thinking(req: ChatCompletionRequest) -> ThinkingSwitch:
-    """The switch a chat request sets through `chat_template_kwargs` and `thinking`; a 400 for a non-boolean
-    value or for the two fields disagreeing."""
+    """The switch a chat request sets through `chat_template_kwargs`, `thinking` and `reasoning_effort`; a 400
+    for a non-boolean value or for two of them disagreeing."""
     values: dict[str, bool | None] = {name: None for name in TEMPLATE_SWITCHES}
     for name in TEMPLATE_SWITCHES:
         value: Any = (req.chat_template_kwargs or {}).get(name)
@@ -45,6 +57,13 @@ def requested_thinking(req: ChatCompletionRequest) -> ThinkingSwitch:
             raise bad_request(f"'thinking.type' is {req.thinking.type!r} but 'chat_template_kwargs.thinking' is "
                               f"{str(values['thinking']).lower()}; send one, or make them agree", "thinking")
         values["thinking"] = toggled
+    by_effort = effort_thinking(req.reasoning_effort, "reasoning_effort")
+    if by_effort is not None:
+        if values["thinking"] is not None and values["thinking"] != by_effort:
+            raise bad_request(f"'reasoning_effort' {req.reasoning_effort!r} turns thinking "
+                              f"{'on' if by_effort else 'off'}, but 'thinking' (or 'chat_template_kwargs.thinking') "
+                              "turns it the other way; send one, or make them agree", "reasoning_effort")
+        values["thinking"] = by_effort
     return ThinkingSwitch(**values)
 
 
