@@ -144,6 +144,8 @@ BAD_INPUTS = [
      400, "messages[1].tool_calls", ["tool calls"]),
     ("continue-under-thinking", CHAT, chat(continue_final_message=True, messages=PREFILLED,
                                            chat_template_kwargs={"thinking": True}), 400, "thinking", ["thinking off"]),
+    ("continue-with-a-forced-call", CHAT, chat(continue_final_message=True, messages=PREFILLED, tools=[TOOL],
+                                               tool_choice="required"), 400, "tool_choice", ["forced"]),
     ("continue-with-a-response-format", CHAT, chat(continue_final_message=True, messages=PREFILLED,
                                                    response_format={"type": "json_object"}), 400, "response_format",
      ["continuing"]),

@@ -48,8 +48,9 @@ def test_retrieve_model_by_id(client, ctx):
     with pytest.raises(openai.NotFoundError) as caught:
         client.models.retrieve("gpt-4o")
     assert caught.value.body["code"] == "model_not_found"
-    with pytest.raises(openai.NotFoundError):  # a slash in the id is part of the id, not a route
+    with pytest.raises(openai.NotFoundError) as caught:  # a slash in the id is part of the id, not a route
         client.models.retrieve(f"org/{ctx.model_name}")
+    assert caught.value.body["code"] == "model_not_found"
 
 
 def test_chat_non_streaming_usage_matches_real_token_counts(client, ctx):

@@ -84,6 +84,11 @@ SELF_CHECK_CONVERSATIONS: tuple[tuple[list[dict], list | None, bool], ...] = (
 )
 
 
+# Stands in for a continued message's text: outside the private-use block _pick_sentinels draws from, and with no
+# control-token first character, so hiding control tokens leaves it as it is.
+_CONTINUE_MARK = "\U000F0000continue\U000F0001"
+
+
 def _alias_reasoning_fields(messages: list[dict]) -> list[dict]:
     """Like HF: fill ``reasoning_content`` (and ``thinking``) from whichever reasoning field a message has."""
     out = []
@@ -238,13 +243,26 @@ class ChatTemplate:
             kwargs["tools_ts_str"] = prepared.typescript
         return render_jinja(self._compiled, messages, prepared.tools or None, add_generation_prompt, **kwargs)
 
+    def _render_for_encoding(self, messages: list[dict], prepared: PreparedTools, add_generation_prompt: bool,
+                             thinking: bool | None, preserve_thinking: bool | None, continue_final: bool) -> str:
+        if not continue_final:
+            return self._render_prepared(messages, prepared, add_generation_prompt, thinking, preserve_thinking)
+        # The whole conversation as history, cut where the final message's text begins, then that text.
+        final = messages[-1]
+        held = self._render_prepared([*messages[:-1], {**final, "content": _CONTINUE_MARK}], prepared, False,
+                                     thinking, preserve_thinking)
+        if held.count(_CONTINUE_MARK) != 1:
+            raise ValueError("the chat template does not write the final message's text once, so it cannot be "
+                             "continued")
+        return held[: held.index(_CONTINUE_MARK)] + (final.get("content") or "")
+
     def encode(self, tokenizer, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
                legacy: bool = False, *, thinking: bool | None = None,
-               preserve_thinking: bool | None = None, continuation: str = "") -> list[int]:
+               preserve_thinking: bool | None = None, continue_final: bool = False) -> list[int]:
         """Prompt ids: template control tokens become single ids; client text never does.
 
-        ``continuation`` is client text written after the generation prompt (a final assistant message the reply
-        continues), encoded as if the template had written it there.
+        ``continue_final``: the prompt ends inside the final (assistant) message, after its text, as the template
+        writes that turn in history: the reply continues it (vLLM's continue_final_message, Anthropic's prefill).
 
         Client strings are rendered a second time with the first character of every control token (``<``, ``[``)
         replaced by an unused private-use character, so every control-token string left in that render was written
@@ -255,18 +273,17 @@ class ChatTemplate:
         """
         messages = expand_dynamic_tools(self.dialect, messages)
         prepared = prepare_tools(self.dialect, tools)
-        text = self._render_prepared(messages, prepared, add_generation_prompt, thinking, preserve_thinking)
-        text += continuation
+        text = self._render_for_encoding(messages, prepared, add_generation_prompt, thinking, preserve_thinking,
+                                         continue_final)
         if legacy:
             return tokenizer.encode(text, allow_special_tokens=True)
         starts = sorted({token[0] for token in tokenizer.special_ids})
         sentinels = _pick_sentinels(text, len(starts))
         hide = {ord(c): s for c, s in zip(starts, sentinels)}
         unhide = {ord(s): c for c, s in zip(starts, sentinels)}
-        marked = self._render_prepared(_translate_strings(messages, hide),
-                                       prepared.translated(lambda value: _translate_strings(value, hide)),
-                                       add_generation_prompt, thinking, preserve_thinking)
-        marked += continuation.translate(hide)
+        marked = self._render_for_encoding(_translate_strings(messages, hide),
+                                           prepared.translated(lambda value: _translate_strings(value, hide)),
+                                           add_generation_prompt, thinking, preserve_thinking, continue_final)
         if len(marked) != len(text) or marked.translate(unhide) != text:
             raise ValueError(f"chat template {self.origin} transforms client text; cannot separate control tokens")
         ids: list[int] = []

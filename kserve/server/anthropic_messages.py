@@ -257,10 +257,20 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
             out.append(turn)
     if req.messages[-1].role == "assistant":  # prefill: the reply continues it (chat_body)
         last = out[-1]
-        if last.get("tool_calls") or last.get("reasoning_content") is not None:
+        if last.get("tool_calls") or last.get("reasoning_content"):
             raise invalid(f"messages.{len(req.messages) - 1}: a final assistant message is continued as the reply's "
                           "text, so it may hold text blocks only (no tool_use or thinking)")
     return out
+
+
+def _check_prefill(req: CountTokensRequest) -> None:
+    """What cannot follow a prefilled reply, said in this API's terms (chat completions would name its own)."""
+    if req.output_format is not None or (req.output_config is not None and req.output_config.format is not None):
+        raise invalid("a prefilled assistant message cannot be combined with a structured output format: the format "
+                      "constrains the whole reply, whose start is already written")
+    if req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
+        raise invalid(f"a prefilled assistant message cannot be combined with tool_choice {req.tool_choice.type!r}: "
+                      "the reply would have to open a tool call instead of continuing the text")
 
 
 def _check_schema(schema: Any, where: str) -> None:
@@ -296,6 +306,7 @@ def chat_body(req: CountTokensRequest) -> dict[str, Any]:
     """The chat-completions body this request means (sampling fields only for a MessagesRequest)."""
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req)}
     if req.messages[-1].role == "assistant":
+        _check_prefill(req)
         body["continue_final_message"] = True
     if req.thinking is not None:
         body.update(thinking_body(_THINKING_SWITCH[req.thinking.type]))

@@ -27,7 +27,7 @@ from kserve.server.validation import (
     ROLE_ALIASES,
     ROLE_ALIASES_KEEPING_DEVELOPER,
     check_chat_request,
-    continued_text,
+    check_continued,
     normalize_messages,
     normalize_tools,
     reject_unsupported,
@@ -72,15 +72,14 @@ def render_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, 
     tools = normalize_tools(req.tools, raw.get("tools"))
     all_tools = callable_tools(messages, tools)  # dynamic tools count for tool_choice, grammar and parsing
     tool_choice = resolve_tool_choice(req.tool_choice, all_tools)
-    add_generation_prompt, continuation = _reply_start(req, messages, generating)
+    add_generation_prompt = _generation_prompt(req, messages, tool_choice, generating)
     if req.continue_final_message:
-        messages = messages[:-1]  # its text follows the generation prompt, as the reply's start
         thinking = continuing_thinking(dialect, thinking)
     try:
         prompt_ids = ctx.template.encode(ctx.tokenizer, messages, tools=tools or None,
                                          add_generation_prompt=add_generation_prompt,
-                                         legacy=ctx.settings.legacy_prompt_encoding, continuation=continuation,
-                                         **thinking.template_kwargs())
+                                         legacy=ctx.settings.legacy_prompt_encoding,
+                                         continue_final=req.continue_final_message, **thinking.template_kwargs())
     except RecursionError:  # tools or messages nested deeper than any renderer can walk
         raise bad_request("could not render the conversation: it is nested too deeply", "messages") from None
     except (ValueError, TypeError, KeyError) as exc:
@@ -90,23 +89,28 @@ def render_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, 
                         reasoning_mode(dialect, thinking, ctx.settings.enable_reasoning), images)
 
 
-def _reply_start(req: ChatCompletionRequest, messages: list[dict[str, Any]],
-                 generating: bool) -> tuple[bool, str]:
-    """(whether the prompt ends with the assistant header, the text written after it), as vLLM reads
-    add_generation_prompt and continue_final_message."""
+def _generation_prompt(req: ChatCompletionRequest, messages: list[dict[str, Any]], tool_choice: str | dict[str, Any],
+                       generating: bool) -> bool:
+    """Whether the prompt ends with a new assistant header, as vLLM reads add_generation_prompt and
+    continue_final_message; what a continued reply cannot be given is a 400 here."""
     if not req.continue_final_message:
         if req.add_generation_prompt is False and generating:
             raise bad_request("'add_generation_prompt': false is only supported with 'continue_final_message': "
                               "true (the reply would start without an assistant header)", "add_generation_prompt")
-        return req.add_generation_prompt is not False, ""
+        return req.add_generation_prompt is not False
     if req.add_generation_prompt:
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true: the reply "
                           "continues the final assistant message instead of starting a new one",
                           "add_generation_prompt")
+    # Both would constrain the reply from its first token, which the given text has already passed.
     if req.response_format is not None and req.response_format.type != "text":
         raise bad_request("'response_format' cannot be combined with continuing a final assistant message: the "
                           "format constrains a whole answer, and its start is already written", "response_format")
-    return True, continued_text(messages)
+    if tool_choice not in ("auto", "none"):
+        raise bad_request("a forced 'tool_choice' cannot be combined with continuing a final assistant message: "
+                          "the reply would have to open a tool call instead of continuing the text", "tool_choice")
+    check_continued(messages)
+    return False
 
 
 async def rendered_prompt(ctx: ServingContext, rendered: RenderedChat) -> list[int]:

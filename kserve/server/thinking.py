@@ -78,7 +78,8 @@ def continuing_thinking(dialect: ChatDialect, switch: ThinkingSwitch) -> Thinkin
         return switch
     if switch.thinking:
         raise bad_request("a final assistant message can only be continued with thinking off: it is the answer's "
-                          "start, not reasoning; set thinking to disabled or leave it unset", "thinking")
+                          "start, not reasoning; turn thinking off ('thinking', 'chat_template_kwargs.thinking' or "
+                          "'reasoning_effort') or leave it unset", "thinking")
     return ThinkingSwitch(thinking=False, preserve_thinking=switch.preserve_thinking)
 
 

@@ -48,9 +48,9 @@ def reject_unsupported(raw: dict[str, Any], unsupported: Mapping[str, str]) -> N
                        param=present[0], code="unsupported_parameter")
 
 
-def continued_text(messages: list[dict[str, Any]]) -> str:
-    """The text of the final assistant message a reply continues (vLLM's continue_final_message, Anthropic's
-    prefill): plain text only, since neither a tool call nor reasoning can be resumed as answer text."""
+def check_continued(messages: list[dict[str, Any]]) -> None:
+    """A 400 unless the final message is one a reply can continue (vLLM's continue_final_message, Anthropic's
+    prefill): an assistant's, with text only, since neither a tool call nor reasoning resumes as answer text."""
     where = f"messages[{len(messages) - 1}]"
     last = messages[-1]
     if last["role"] != "assistant":
@@ -59,13 +59,12 @@ def continued_text(messages: list[dict[str, Any]]) -> str:
     if last.get("tool_calls"):
         raise bad_request(f"{where}: a final assistant message with tool calls cannot be continued",
                           f"{where}.tool_calls")
-    if any(last.get(key) for key in REASONING_FIELDS):
-        raise bad_request(f"{where}: a continued assistant message cannot carry reasoning (the reply does not "
-                          "think)", f"{where}.reasoning_content")
-    content = "" if last.get("content") is None else last["content"]
-    if not isinstance(content, str):
+    for key in REASONING_FIELDS:
+        if last.get(key):
+            raise bad_request(f"{where}: a continued assistant message cannot carry reasoning (the reply does not "
+                              "think)", f"{where}.{key}")
+    if last.get("content") is not None and not isinstance(last["content"], str):
         raise bad_request(f"{where}: a continued assistant message needs text content", f"{where}.content")
-    return content
 
 
 def normalize_stop(stop: str | list[str] | None) -> list[str]:
