@@ -250,8 +250,39 @@ def test_reasoning_message_and_call_items_stream_as_the_sdk_expects(server, clie
     assert plain.usage.input_tokens_details.cached_tokens == 16 and plain.usage.output_tokens_details.reasoning_tokens > 0
     assert _items(final) == _items(plain)
     assert final.usage.model_dump() == plain.usage.model_dump()
-    numbers = [json.loads(line[6:])["sequence_number"] for line in _raw_stream(server, kw)]
-    assert numbers == list(range(len(numbers)))
+    events = [json.loads(line[6:]) for line in _raw_stream(server, kw)]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    # each text-bearing item's part is added before its deltas and done after them, reasoning as the message
+    per_item = {}
+    for e in events:
+        if "output_index" in e:
+            per_item.setdefault(e["output_index"], []).append((e["type"], (e.get("part") or {}).get("type")))
+    kinds_of = [[kind.removeprefix("response.") for kind, _ in per_item[i]] for i in sorted(per_item)]
+    for kinds, text in zip(kinds_of[:2], ("reasoning_text", "output_text")):
+        assert kinds[:2] == ["output_item.added", "content_part.added"] and kinds[-3:] == [
+            f"{text}.done", "content_part.done", "output_item.done"], kinds
+        assert set(kinds[2:-3]) == {f"{text}.delta"}
+    assert [part for _, part in per_item[0] if part] == ["reasoning_text", "reasoning_text"]
+
+
+def test_max_tool_calls_caps_the_calls_kept_and_is_echoed(client, ctx):
+    def cap(**fields):
+        raw = {"model": ctx.model_name, "input": QUESTION, "tools": [WEATHER], **fields}
+        return asyncio.run(prepare_response(ctx, ResponseStore(0), ResponsesRequest.model_validate(raw), raw)).chat.max_calls
+
+    assert (cap(), cap(max_tool_calls=2), cap(max_tool_calls=3, parallel_tool_calls=False)) == (None, 2, 1)
+    resp = _forced_call(client, ctx, max_tool_calls=1)
+    assert resp.max_tool_calls == 1 and len([i for i in resp.output if i.type == "function_call"]) == 1
+    with pytest.raises(openai.BadRequestError):
+        _forced_call(client, ctx, max_tool_calls=0)
+
+
+def test_a_stored_response_cannot_be_streamed_again(client, ctx):
+    stored = client.responses.create(model=ctx.model_name, input=QUESTION, max_output_tokens=4)
+    assert client.responses.retrieve(stored.id).id == stored.id
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.retrieve(stored.id, stream=True)
+    assert caught.value.body["param"] == "stream"
 
 
 def _raw_stream(server, kw):

@@ -30,7 +30,7 @@ from kserve.server.anthropic_messages import (
 )
 from kserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from kserve.server.context import ServerSettings, ServingContext
-from kserve.server.errors import APIError, install_error_handlers
+from kserve.server.errors import APIError, bad_request, install_error_handlers
 from kserve.server.metrics import ServerMetrics
 from kserve.server.openai_responses import (
     delete_response,
@@ -382,7 +382,10 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None,
             return JSONResponse(await run_response(ctx, responses_store, prep, request))
 
     @app.get("/v1/responses/{response_id}", dependencies=[Depends(require_auth)])
-    async def responses_get(response_id: str) -> Any:
+    async def responses_get(response_id: str, stream: bool = False) -> Any:
+        if stream:  # the SDK would wait for events that never come
+            raise bad_request("streaming a stored response again is not supported; retrieve it without 'stream'",
+                              "stream")
         return JSONResponse(get_response(responses_store, response_id))
 
     @app.delete("/v1/responses/{response_id}", dependencies=[Depends(require_auth)])

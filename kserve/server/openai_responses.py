@@ -311,7 +311,8 @@ async def prepare_response(ctx: ServingContext, store: ResponseStore, req: Respo
         require_image_support(ctx, f"'{image_at}'", "input_image", f"{image_at}.type")
     body = chat_body(req, conversation)
     prep = await prepare_chat(ctx, ChatCompletionRequest.model_validate(body), body)
-    prep = dataclasses.replace(prep, request_id=_new_id("resp"))
+    limits = [n for n in (prep.max_calls, req.max_tool_calls) if n is not None]
+    prep = dataclasses.replace(prep, request_id=_new_id("resp"), max_calls=min(limits) if limits else None)
     return PreparedResponse(prep, req, raw, int(time.time()), previous + new_items,
                             store.enabled and req.store is not False)
 
@@ -328,8 +329,12 @@ def _usage(ctx: ServingContext, turn: FinishedTurn) -> dict[str, Any]:
             "total_tokens": turn.usage.prompt_tokens + turn.usage.completion_tokens}
 
 
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [_reasoning_part(text)]}
 
 
 def _output_text(text: str) -> dict[str, Any]:
@@ -372,7 +377,8 @@ def response_object(ctx: ServingContext, prep: PreparedResponse, *, status: str,
     return {
         "id": prep.response_id, "object": "response", "created_at": prep.created_at, "status": status,
         "error": error, "incomplete_details": incomplete, "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens, "model": ctx.model_name, "output": output,
+        "max_output_tokens": req.max_output_tokens, "max_tool_calls": req.max_tool_calls,
+        "model": ctx.model_name, "output": output,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id, "reasoning": reasoning, "store": prep.store,
         "temperature": 1.0 if req.temperature is None else req.temperature,
@@ -439,9 +445,10 @@ class _EventWriter:
         events = self.close("completed")
         self.item, self.text = item, ""
         events.append(self.event("response.output_item.added", output_index=self.index, item=item))
-        if item["type"] == "message":
+        part = {"message": _output_text(""), "reasoning": _reasoning_part("")}.get(item["type"])
+        if part is not None:
             events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.index,
-                                     content_index=0, part=_output_text("")))
+                                     content_index=0, part=part))
         return events
 
     def close(self, status: str) -> list[str]:
@@ -459,6 +466,8 @@ class _EventWriter:
         elif item["type"] == "reasoning":
             done = _reasoning_item(item["id"], self.text)
             events.append(self.event("response.reasoning_text.done", **where, content_index=0, text=self.text))
+            events.append(self.event("response.content_part.done", **where, content_index=0,
+                                     part=_reasoning_part(self.text)))
         else:
             done = _call_item(item["id"], item["call_id"], item["name"], self.text, status)
             events.append(self.event("response.function_call_arguments.done", **where, name=item["name"],

@@ -59,6 +59,7 @@ class ResponsesRequest(StrictRequest):
     tools: list[ResponsesTool] | None = None
     tool_choice: str | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(default=None, ge=1)  # calls after this many are dropped
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
