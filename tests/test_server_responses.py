@@ -148,6 +148,16 @@ def test_function_call_output_round_trip_and_previous_response_id(server, client
     assert engine_prompts[1] == engine_prompts[2] == tokenized.json()["tokens"]
     assert "## Return of functions.get_weather:0\nSunny, 21C" in ctx.tokenizer.decode(engine_prompts[1])
     assert resent.usage.input_tokens == chained.usage.input_tokens == tokenized.json()["count"]
+    # the SDK's input_items.list: the items the chained response was generated from, newest first by default
+    listed = client.responses.input_items.list(chained.id)
+    assert [item.type for item in listed.data] == ["function_call_output", "function_call", "reasoning", "message"]
+    assert listed.data[0].call_id == call.call_id and listed.data[1].id == call.id and not listed.has_more
+    assert listed.data[3].content[0].text == QUESTION and listed.data[3].id.startswith("msg_")
+    page = client.responses.input_items.list(chained.id, order="asc", limit=2)
+    assert [item.id for item in page.data] == [listed.data[3].id, listed.data[2].id] and page.has_more
+    rest = client.responses.input_items.list(chained.id, order="asc", after=page.last_id)
+    assert [item.id for item in rest.data] == [listed.data[1].id, listed.data[0].id]
+    assert client.responses.input_items.list(first.id).data[0].id == listed.data[3].id  # ids stay put
 
 
 def test_tokenize_and_detokenize(server, client, ctx):
@@ -209,7 +219,7 @@ def test_store_is_bounded_and_store_false_is_not_kept(client, ctx):
         client.responses.retrieve(kept.id)
     store = ResponseStore(2)
     for name in ("r1", "r2", "r3"):
-        store.put(name, StoredResponse({"id": name}, []))
+        store.put(name, StoredResponse({"id": name}, [], 0))
     assert store.get("r1") is None and store.get("r2") is not None and len(store) == 2
 
 

@@ -35,6 +35,7 @@ from kserve.server.metrics import ServerMetrics
 from kserve.server.openai_responses import (
     delete_response,
     get_response,
+    list_input_items,
     prepare_response,
     run_response,
     stream_response,
@@ -387,6 +388,11 @@ def build_app(settings: ServerSettings, loader: EngineLoader | None = None,
             raise bad_request("streaming a stored response again is not supported; retrieve it without 'stream'",
                               "stream")
         return JSONResponse(get_response(responses_store, response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items", dependencies=[Depends(require_auth)])
+    async def responses_input_items(response_id: str, limit: int = 20, order: str = "desc",
+                                    after: str | None = None) -> Any:
+        return JSONResponse(list_input_items(responses_store, response_id, limit=limit, order=order, after=after))
 
     @app.delete("/v1/responses/{response_id}", dependencies=[Depends(require_auth)])
     async def responses_delete(response_id: str) -> Any:

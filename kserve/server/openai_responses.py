@@ -45,6 +45,11 @@ _MEDIA_PARTS: Mapping[str, str] = MappingProxyType({
 })
 
 
+# An input item stored without an id gets one, prefixed as OpenAI prefixes that kind of item.
+_ITEM_ID_PREFIXES = MappingProxyType({"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                                      "reasoning": "rs"})
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -394,7 +399,9 @@ def _finished(ctx: ServingContext, store: ResponseStore, prep: PreparedResponse,
     status = "incomplete" if turn.finish_reason == "length" else "completed"
     response = response_object(ctx, prep, status=status, output=output, usage=_usage(ctx, turn))
     if prep.store:
-        store.put(prep.response_id, StoredResponse(response, prep.items + output))
+        inputs = [item if "id" in item else {"id": _new_id(_ITEM_ID_PREFIXES.get(item.get("type"), "item")), **item}
+                  for item in prep.items]
+        store.put(prep.response_id, StoredResponse(response, inputs + output, len(inputs)))
     return response
 
 
@@ -411,6 +418,39 @@ def get_response(store: ResponseStore, response_id: str) -> dict[str, Any]:
     if entry is None:
         raise not_found(response_id)
     return entry.response
+
+
+def _listed_item(item: dict[str, Any]) -> dict[str, Any]:
+    """An item as OpenAI lists it: a message's string content becomes one text part."""
+    if item.get("type") != "message" or not isinstance(item.get("content"), str):
+        return item
+    part = "output_text" if item.get("role") == "assistant" else "input_text"
+    return {**item, "content": [{"type": part, "text": item["content"]}]}
+
+
+def list_input_items(store: ResponseStore, response_id: str, *, limit: int, order: str,
+                     after: str | None) -> dict[str, Any]:
+    """One page of the items a stored response was generated from (OpenAI's list shape; newest first by default)."""
+    if not store.enabled:
+        raise store_disabled("listing a response's input items")
+    entry = store.get(response_id)
+    if entry is None:
+        raise not_found(response_id)
+    if not 1 <= limit <= 100:
+        raise bad_request(f"'limit' must be between 1 and 100, got {limit}", "limit")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"'order' must be 'asc' or 'desc', got {order!r}", "order")
+    items = entry.items[: entry.input_count]
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise bad_request(f"'after' names no input item of response {response_id!r}: {after!r}", "after")
+        items = items[ids.index(after) + 1:]
+    page = [_listed_item(item) for item in items[:limit]]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 def delete_response(store: ResponseStore, response_id: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any
 class StoredResponse:
     response: dict[str, Any]  # the response object as returned
     items: list[dict[str, Any]]  # the conversation it continued (input items, no instructions) plus its output
+    input_count: int  # how many of `items` were its input (`GET /v1/responses/{id}/input_items`)
 
 
 class ResponseStore:
