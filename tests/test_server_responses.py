@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Literal
 
 import httpx
@@ -82,6 +83,8 @@ def test_create_text_response(client, ctx):
     assert resp.status in ("completed", "incomplete")
     if resp.status == "incomplete":
         assert resp.incomplete_details.reason == "max_output_tokens" and resp.usage.output_tokens == 8
+    else:
+        assert resp.created_at <= resp.completed_at <= time.time()
     # the embedded K2.6 model thinks first: a reasoning item, then the message once the thought ends (an
     # 8-token budget may end inside the thought)
     kinds = [item.type for item in resp.output]
@@ -123,6 +126,7 @@ def test_function_call_streamed_and_not(client, ctx):
         assert json.loads(calls[0].arguments)["city"] in ("Paris", "Rome")
     assert _items(final) == _items(plain)
     assert final.usage.output_tokens == plain.usage.output_tokens
+    assert plain.status == final.status == "completed" and plain.created_at <= plain.completed_at <= time.time()
 
 
 def test_function_call_output_round_trip_and_previous_response_id(server, client, ctx, engine_prompts):
@@ -199,13 +203,17 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(client, ctx):
         with pytest.raises(openai.BadRequestError) as info:
             client.responses.create(model=model, **kw)
         assert info.value.body["type"] == "invalid_request_error" and info.value.body["message"], kw
+    with pytest.raises(openai.BadRequestError) as info:  # the conversation as a whole is this API's `input`
+        client.responses.create(model=model, input="word " * ctx.max_model_len)
+    assert (info.value.body["param"], info.value.body["code"]) == ("input", "context_length_exceeded")
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=model, input="hi", previous_response_id="resp_missing")
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_missing")
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-nope", input="hi")
-    assert client.responses.create(model=model, input="still here?", max_output_tokens=2).status == "incomplete"
+    cut = client.responses.create(model=model, input="still here?", max_output_tokens=2)
+    assert cut.status == "incomplete" and cut.completed_at is None
 
 
 def test_store_is_bounded_and_store_false_is_not_kept(client, ctx):

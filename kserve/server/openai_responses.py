@@ -315,7 +315,12 @@ async def prepare_response(ctx: ServingContext, store: ResponseStore, req: Respo
     if image_at is not None:  # a model without a vision tower: one 400 saying so
         require_image_support(ctx, f"'{image_at}'", "input_image", f"{image_at}.type")
     body = chat_body(req, conversation)
-    prep = await prepare_chat(ctx, ChatCompletionRequest.model_validate(body), body)
+    try:
+        prep = await prepare_chat(ctx, ChatCompletionRequest.model_validate(body), body)
+    except APIError as exc:  # the conversation as a whole (too long, unrenderable) is this API's `input`
+        if exc.param == "messages":
+            exc.param = "input"
+        raise
     limits = [n for n in (prep.max_calls, req.max_tool_calls) if n is not None]
     prep = dataclasses.replace(prep, request_id=_new_id("resp"), max_calls=min(limits) if limits else None)
     return PreparedResponse(prep, req, raw, int(time.time()), previous + new_items,
@@ -381,6 +386,7 @@ def response_object(ctx: ServingContext, prep: PreparedResponse, *, status: str,
     reasoning = req.reasoning.model_dump() if req.reasoning is not None else {"effort": None, "summary": None}
     return {
         "id": prep.response_id, "object": "response", "created_at": prep.created_at, "status": status,
+        "completed_at": int(time.time()) if status == "completed" else None,
         "error": error, "incomplete_details": incomplete, "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens, "max_tool_calls": req.max_tool_calls,
         "model": ctx.model_name, "output": output,
