@@ -193,7 +193,8 @@ def test_bad_input_gets_anthropic_errors_and_the_server_keeps_serving(server, cl
     assert "messages.1" in err["message"] and "text blocks only" in err["message"]
     prefilled = {"model": model, "max_tokens": 4, "messages": [user, {"role": "assistant", "content": "{"}]}
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    err = _anthropic_error(server, {**prefilled, "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    structured = {"format": {"type": "json_schema", "schema": schema}}
+    err = _anthropic_error(server, {**prefilled, "output_config": structured})
     assert "structured output format" in err["message"] and "response_format" not in err["message"]
     err = _anthropic_error(server, {**prefilled, "tools": [WEATHER], "tool_choice": {"type": "any"}})
     assert "tool_choice 'any'" in err["message"]

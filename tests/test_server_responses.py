@@ -286,7 +286,8 @@ def test_reasoning_message_and_call_items_stream_as_the_sdk_expects(server, clie
 def test_max_tool_calls_caps_the_calls_kept_and_is_echoed(client, ctx):
     def cap(**fields):
         raw = {"model": ctx.model_name, "input": QUESTION, "tools": [WEATHER], **fields}
-        return asyncio.run(prepare_response(ctx, ResponseStore(0), ResponsesRequest.model_validate(raw), raw)).chat.max_calls
+        prepared = asyncio.run(prepare_response(ctx, ResponseStore(0), ResponsesRequest.model_validate(raw), raw))
+        return prepared.chat.max_calls
 
     assert (cap(), cap(max_tool_calls=2), cap(max_tool_calls=3, parallel_tool_calls=False)) == (None, 2, 1)
     resp = _forced_call(client, ctx, max_tool_calls=1)

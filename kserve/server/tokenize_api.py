@@ -4,8 +4,8 @@
 recognized) or chat `messages` (+ `tools`, `add_generation_prompt`, `continue_final_message`, and the thinking
 switch: `chat_template_kwargs` `thinking` / `preserve_thinking` or Moonshot's `thinking` field), checked and
 rendered exactly as `/v1/chat/completions` renders them, and answers `{"count", "max_model_len", "tokens"}`
-(+ `token_strs`). An image counts as its placeholder tokens (each image's `<|media_pad|>` repeated, as the engine gets the prompt):
-images are fetched and decoded to know their sizes, and refused as chat completions refuses them.
+(+ `token_strs`). An image counts as its placeholder tokens (each image's `<|media_pad|>` repeated, as the engine
+gets the prompt): images are fetched and decoded to know their sizes, and refused as chat completions refuses them.
 """
 
 from __future__ import annotations
