@@ -198,6 +198,9 @@ def test_bad_input_gets_anthropic_errors_and_the_server_keeps_serving(server, cl
     assert "structured output format" in err["message"] and "response_format" not in err["message"]
     err = _anthropic_error(server, {**prefilled, "tools": [WEATHER], "tool_choice": {"type": "any"}})
     assert "tool_choice 'any'" in err["message"]
+    for spaced in ("Sure ", [{"type": "text", "text": "The answer is\n"}]):
+        err = _anthropic_error(server, {**prefilled, "messages": [user, {"role": "assistant", "content": spaced}]})
+        assert "trailing whitespace" in err["message"] and err["type"] == "invalid_request_error"
     err = _anthropic_error(server, {"model": "claude-nope", "max_tokens": 4, "messages": [user]}, status=404)
     assert err["type"] == "not_found_error"
     with pytest.raises(anthropic.NotFoundError):

@@ -265,6 +265,10 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
 
 def _check_prefill(req: CountTokensRequest) -> None:
     """What cannot follow a prefilled reply, said in this API's terms (chat completions would name its own)."""
+    final = req.messages[-1].content
+    text = final if isinstance(final, str) else "".join(b.get("text", "") for b in final if isinstance(b, dict))
+    if text != text.rstrip():  # Anthropic's rule: the reply would open on a space the tokenizer never ends with
+        raise invalid("final assistant content cannot end with trailing whitespace")
     if req.output_format is not None or (req.output_config is not None and req.output_config.format is not None):
         raise invalid("a prefilled assistant message cannot be combined with a structured output format: the format "
                       "constrains the whole reply, whose start is already written")
