@@ -378,3 +378,34 @@ def test_an_unknown_reasoning_effort_is_a_400(server, ctx):
                       json={"model": ctx.model_name, "input": "hi", "reasoning": {"effort": "hgih"}})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == "reasoning.effort"
+
+
+def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(server, client, ctx, engine_prompts):
+    """`truncation: "auto"` drops whole turns from the start, fewest first, keeping instructions and developer
+    messages; `disabled` (the default) and a last turn too long alone stay 400s."""
+    long = "word " * ctx.max_model_len
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Rome"}'}
+    conversation = [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": long},
+                    call, {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"},
+                    {"role": "user", "content": "Thanks. And in Paris?"}]
+    kw = {"model": ctx.model_name, "max_output_tokens": 2, "tools": [WEATHER], "instructions": "Answer briefly."}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(input=conversation, **kw)
+    assert info.value.body["code"] == "context_length_exceeded"
+    cut = client.responses.create(input=conversation, truncation="auto", **kw)
+    assert cut.truncation == "auto" and cut.status in ("completed", "incomplete")
+    kept = [{"role": "system", "content": "Answer briefly."}, {"role": "developer", "content": "Be terse."},
+            {"role": "user", "content": "Thanks. And in Paris?"}]
+    tokenized = httpx.post(server.base_url + "/tokenize", json={"messages": kept, "tools": [WEATHER_CHAT]})
+    assert engine_prompts == [tokenized.json()["tokens"]]
+    assert cut.usage.input_tokens == tokenized.json()["count"]
+    # a middle turn too long: only the turns before the first that fits go, the call and its output kept
+    middle = [{"role": "user", "content": "hi"}, {"role": "user", "content": long}, conversation[-1],
+              {**call, "call_id": "call_2"}, {"type": "function_call_output", "call_id": "call_2", "output": "Rain"}]
+    client.responses.create(input=middle, truncation="auto", **kw)
+    prompt = ctx.tokenizer.decode(engine_prompts[-1])
+    assert "Paris?" in prompt and "Rain" in prompt and "word word" not in prompt and "|>hi<|" not in prompt
+    with pytest.raises(openai.BadRequestError) as info:  # nothing to drop: the last turn alone is too long
+        client.responses.create(input=[{"role": "user", "content": "hi"}, {"role": "user", "content": long}],
+                                truncation="auto", **kw)
+    assert (info.value.body["param"], info.value.body["code"]) == ("input", "context_length_exceeded")

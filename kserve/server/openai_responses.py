@@ -294,6 +294,46 @@ class PreparedResponse:
         return self.chat.request_id
 
 
+async def _prepare_chat(ctx: ServingContext, req: ResponsesRequest,
+                        conversation: list[tuple[str, dict[str, Any]]]) -> PreparedChat:
+    body = chat_body(req, conversation)
+    try:
+        return await prepare_chat(ctx, ChatCompletionRequest.model_validate(body), body)
+    except APIError as exc:  # the conversation as a whole (too long, unrenderable) is this API's `input`
+        if exc.param == "messages":
+            exc.param = "input"
+        raise
+
+
+def _is_instruction(item: dict[str, Any]) -> bool:
+    return item.get("type") == "message" and item.get("role") in ("system", "developer")
+
+
+async def _truncated(ctx: ServingContext, req: ResponsesRequest, conversation: list[tuple[str, dict[str, Any]]],
+                     too_long: APIError) -> PreparedChat:
+    """`truncation: "auto"`: the conversation less its oldest turns, as few dropped as fit the context. A turn starts
+    at a user message, so a call is never kept without its output; system and developer messages stay."""
+    starts = [i for i, (_, item) in enumerate(conversation)
+              if i > 0 and item.get("type") == "message" and item.get("role") == "user"]
+
+    def kept(cut: int) -> list[tuple[str, dict[str, Any]]]:
+        return [pair for i, pair in enumerate(conversation) if i >= cut or _is_instruction(pair[1])]
+
+    best: PreparedChat | None = None  # the tail from the earliest turn start that fits (fitting is monotone)
+    lo, hi = 0, len(starts) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        try:
+            best, hi = await _prepare_chat(ctx, req, kept(starts[mid])), mid - 1
+        except APIError as exc:
+            if exc.code != "context_length_exceeded":
+                raise
+            lo = mid + 1
+    if best is None:  # even the last turn alone is too long
+        raise too_long
+    return best
+
+
 async def prepare_response(ctx: ServingContext, store: ResponseStore, req: ResponsesRequest,
                            raw: dict[str, Any]) -> PreparedResponse:
     reject_unsupported(raw, UNSUPPORTED_RESPONSES_FIELDS)
@@ -314,13 +354,12 @@ async def prepare_response(ctx: ServingContext, store: ResponseStore, req: Respo
     image_at = next(_image_parts(conversation), None)
     if image_at is not None:  # a model without a vision tower: one 400 saying so
         require_image_support(ctx, f"'{image_at}'", "input_image", f"{image_at}.type")
-    body = chat_body(req, conversation)
     try:
-        prep = await prepare_chat(ctx, ChatCompletionRequest.model_validate(body), body)
-    except APIError as exc:  # the conversation as a whole (too long, unrenderable) is this API's `input`
-        if exc.param == "messages":
-            exc.param = "input"
-        raise
+        prep = await _prepare_chat(ctx, req, conversation)
+    except APIError as exc:
+        if req.truncation != "auto" or exc.code != "context_length_exceeded":
+            raise
+        prep = await _truncated(ctx, req, conversation, exc)
     limits = [n for n in (prep.max_calls, req.max_tool_calls) if n is not None]
     prep = dataclasses.replace(prep, request_id=_new_id("resp"), max_calls=min(limits) if limits else None)
     return PreparedResponse(prep, req, raw, int(time.time()), previous + new_items,
