@@ -267,7 +267,7 @@ def _check_prefill(req: CountTokensRequest) -> None:
     """What cannot follow a prefilled reply, said in this API's terms (chat completions would name its own)."""
     final = req.messages[-1].content
     text = final if isinstance(final, str) else "".join(b.get("text", "") for b in final if isinstance(b, dict))
-    if text != text.rstrip():  # Anthropic's rule: the reply would open on a space the tokenizer never ends with
+    if text != text.rstrip():  # Anthropic's rule: the tokenizer puts a space before the next word, not after this
         raise invalid("final assistant content cannot end with trailing whitespace")
     if req.output_format is not None or (req.output_config is not None and req.output_config.format is not None):
         raise invalid("a prefilled assistant message cannot be combined with a structured output format: the format "
