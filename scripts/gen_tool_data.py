@@ -19,6 +19,7 @@ prompts) never used for training; use another seed as well. `--split fresh` is a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import re
@@ -28,7 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tool_data_pool import ECHO_WRAPPERS_TRAIN, SYSTEM_PROMPTS, Phrasing, Tool, build_tools, echo_vocabulary, phrasing
+from tool_data_pool import (ECHO_WRAPPERS_TRAIN, SYSTEM_PROMPTS, Phrasing, Tool, add_noise, build_tools,
+                            echo_vocabulary, noise_vocabulary, phrasing)
 
 from kserve.chat import render_prompt
 
@@ -80,9 +82,10 @@ def _ask(rng: random.Random, tool: Tool, args: dict[str, Any]) -> str:
 
 
 def _wrap(rng: random.Random, intent: str, style: Phrasing) -> str:
-    wrapper = rng.choice(style.wrappers)
+    wrapper = add_noise(rng, rng.choice(style.wrappers), style)
     request = wrapper.replace("{Intent}", intent[:1].upper() + intent[1:]).replace("{intent}", intent)
     opener = rng.choice(style.openers)
+    opener = add_noise(rng, opener, style) if opener else opener
     return f"{opener} {request}" if opener else request
 
 
@@ -127,14 +130,17 @@ def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
     used = rng.sample(pool, n_calls)
     args = [t.draw(rng) for t in used]
     intents = [_ask(rng, t, a) for t, a in zip(used, args)]
-    intent = intents[0] if n_calls == 1 else rng.choice(style.joiners).format(a=intents[0], b=intents[1])
+    intent = intents[0] if n_calls == 1 else add_noise(rng, rng.choice(style.joiners), style).format(
+        a=intents[0], b=intents[1])
     request = _wrap(rng, intent, style)
     if n_calls == 1 and used[0].name in style.questions and rng.random() < 0.3:
         opener = rng.choice(style.openers)
         question = fill(rng.choice(style.questions[used[0].name]), args[0])
         request = f"{opener} {question}" if opener else question
         intents = [fill(used[0].intents[0], args[0])]  # the thought restates it as a task
-    user = request + "".join(_mention_optional(t, a) for t, a in zip(used, args)) + rng.choice(style.closers)
+    closer = rng.choice(style.closers)
+    closer = " " + add_noise(rng, closer.lstrip(), style) if closer else closer
+    user = request + "".join(_mention_optional(t, a) for t, a in zip(used, args)) + closer
     if style.context and rng.random() < 0.3:
         user = " ".join(rng.sample(style.context, rng.randint(1, 3))) + " " + user
     messages = _prefix(rng, style, agent)
@@ -176,7 +182,7 @@ def plain_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, th
                        agent: bool) -> dict[str, Any]:
     """A chat that needs no tool, with or without tools declared."""
     greet, answer, topic = rng.choice(style.plain)
-    ask = rng.choice(greet)
+    ask = add_noise(rng, add_noise(rng, rng.choice(greet), style), style)  # one part only: two chances
     messages = _prefix(rng, style, agent) + [{"role": "user", "content": ask},
                                              _assistant(_plain_reasoning(topic), answer, thinking)]
     declare = agent or rng.random() < 0.5
@@ -238,13 +244,16 @@ def assistant_spans(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
 
 
 def generate(seed: int, count: int, split: str = "train", plain_share: float = 0.3, thinking_share: float = 0.85,
-             agent_share: float = 0.2, echo_share: float = 0.0) -> list[dict]:
-    """`echo_share` of the conversations (training only) are echo requests; the rest split as before."""
-    if echo_share and split != "train":
-        raise ValueError("echo requests are for training only")
+             agent_share: float = 0.2, echo_share: float = 0.0, noise_share: float = 0.0) -> list[dict]:
+    """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
+    `noise_share` (training only), each literal part of a request gets noise words with that probability."""
+    if (echo_share or noise_share) and split != "train":
+        raise ValueError("echo requests and noise are for training only")
     rng = random.Random(f"{split}:{seed}")
     pool = build_tools()
     style = phrasing(split)
+    if noise_share:
+        style = dataclasses.replace(style, noise=noise_vocabulary(), noise_share=noise_share)
     out = []
     for _ in range(count):
         if echo_share and rng.random() < echo_share:

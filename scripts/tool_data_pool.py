@@ -614,6 +614,8 @@ class Phrasing:
     questions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # tool name -> requests asked as questions
     context: tuple[str, ...] = ()  # sentences a user may say before the request
     named_results: float = 1.0  # share of conversations whose tool results carry the tool's name (OpenAI's don't)
+    noise: tuple[str, ...] = ()  # words inserted into the literal text around a request (training only)
+    noise_share: float = 0.0  # chance that each literal part (wrapper, joiner, opener, closer, plain chat) gets some
 
 
 def phrasing(split: str) -> Phrasing:
@@ -710,3 +712,55 @@ CONTEXT_SENTENCES = (
     "Let me explain what I need.", "There is a lot going on at work.", "I'm helping my parents with something.",
     "We have guests coming this weekend.", "My laptop battery is low.",
 )
+
+
+# Noise words around training requests (`generate(noise_share=...)`, the trainer's `--noise-share`; off by
+# default): words the model has not seen in a wrapper or joiner then read as noise, not as a task or a plain chat
+# (docs/embedded_model.md, twenty-first and twenty-second runs).
+FILLERS = (
+    "just", "really", "actually", "basically", "honestly", "maybe", "perhaps", "simply", "anyway", "somehow",
+    "like", "um", "uh", "hmm", "erm", "so", "okay", "sure", "yeah", "right", "literally", "totally", "seriously",
+    "definitely", "probably", "certainly", "surely", "truly", "genuinely", "frankly", "obviously", "apparently",
+    "still", "even", "again", "already", "today", "now", "here", "there", "buddy", "friend", "mate", "pal", "dear",
+    "folks", "team", "boss", "chief", "sir", "madam", "please", "kind", "nice", "great", "cool", "lovely", "super",
+    "little", "bit", "thing", "stuff", "whatever", "somewhat", "fairly", "pretty", "quite", "rather", "very",
+    "oh", "ah", "wow", "hey", "yes", "no", "well", "look", "listen", "see", "say", "mean", "guess", "suppose",
+)
+
+
+@functools.cache
+def noise_vocabulary() -> tuple[str, ...]:
+    """Fillers and the make-tiny corpus's words, less every word of a tool's requests and values (noise must not
+    read as a task or change an argument), of the two-task joiners, and of the unseen splits' phrasings (their
+    words stay unseen)."""
+    from kserve.tiny import TRAINING_CORPUS
+
+    words = set(FILLERS) | set(re.findall(r"\b[a-z]{3,10}\b", TRAINING_CORPUS))
+    tools = build_tools()
+    taken = " ".join(i for t in tools for i in t.intents) + " " + " ".join(q for qs in QUESTIONS_TRAIN.values()
+                                                                       for q in qs)
+    taken += " " + " ".join(t.name.replace("_", " ") + " " + t.description for t in tools)
+    pools = CITIES + NAMES + TOPICS + WORDS + LANGS + SYMBOLS + FOODS + TEAMS + SONGS + COLORS + MONTHS + UNITS
+    taken += " " + " ".join(list(pools) + list(TWO_TASK_JOINERS_TRAIN + TWO_TASK_JOINERS_HELDOUT + TWO_TASK_JOINERS_FRESH))
+    unseen = (WRAPPERS_HELDOUT + OPENERS_HELDOUT + CLOSERS_HELDOUT + WRAPPERS_FRESH + OPENERS_FRESH + CLOSERS_FRESH
+              + tuple(g for chats in (PLAIN_CHATS_HELDOUT, PLAIN_CHATS_FRESH) for c in chats for g in c[0]))
+    taken += " " + " ".join(unseen)
+    drop = {w.lower() for w in re.findall(r"[A-Za-z]+", taken)}
+    stems = {d for d in drop if len(d) >= 4}  # "compresses" would read as "compress"
+    # the first word of every request ("get", "check", "when", ...) too: a request's verb not followed by its
+    # request reads as noise, so a wrapper holding one ("... get a ...") is not taken for the task
+    verbs = {i.split()[0] for t in tools for i in t.intents}
+    return tuple(sorted({w for w in words if w not in drop and not any(w.startswith(d) for d in stems)} | verbs))
+
+
+def add_noise(rng: random.Random, text: str, style: Phrasing) -> str:
+    """With `style.noise_share`, one or two noise words between the literal words of `text` (a phrasing with
+    {placeholders}, or a plain chat); placeholders are never split."""
+    if not style.noise or rng.random() >= style.noise_share:
+        return text
+    words = text.split(" ")
+    for _ in range(rng.randint(1, 2)):
+        at = rng.randint(0, len(words))
+        word = rng.choice(style.noise)
+        words.insert(at, word[:1].upper() + word[1:] if at == 0 and text[:1].isupper() else word)
+    return " ".join(words)

@@ -349,3 +349,27 @@ def test_answer_rows_send_the_results_as_the_openai_sdk_does_and_expect_the_fina
         assert row["expect"] == {"kind": "text", "content": original["messages"][-1]["content"]}
         rendered = render_prompt(prompt, row["tools"], dialect="k2.6")
         assert "<|im_system|>tool<|im_middle|>## Return of functions." in rendered
+
+
+def test_noise_words_keep_the_unseen_splits_words_unseen_and_are_training_only():
+    """`--noise-share` (off in the recipe): the noise never holds a word of a `heldout` or `fresh` phrasing other
+    than a request's first word, nor a value; the unseen splits refuse it; a noisy plain chat carries a noise word."""
+    import re
+
+    import tool_data_pool as pool
+
+    noise = set(pool.noise_vocabulary())
+    verbs = {i.split()[0] for t in build_tools() for i in t.intents}
+    unseen = " ".join(pool.WRAPPERS_HELDOUT + pool.WRAPPERS_FRESH + pool.OPENERS_HELDOUT + pool.OPENERS_FRESH
+                      + pool.CLOSERS_HELDOUT + pool.CLOSERS_FRESH + pool.TWO_TASK_JOINERS_HELDOUT
+                      + pool.TWO_TASK_JOINERS_FRESH)
+    unseen_words = {w.lower() for w in re.findall(r"[A-Za-z]+", unseen)}
+    assert noise & unseen_words <= verbs and verbs <= noise
+    values = {w.lower() for v in pool.CITIES + pool.NAMES + pool.FOODS + pool.WORDS for w in v.split()}
+    assert not noise & values
+    assert RECIPE.noise_share == 0.0
+    with pytest.raises(ValueError):
+        generate(1, 2, "heldout", noise_share=0.15)
+    noisy = [c for c in generate(0, 40, "train", noise_share=1.0) if c["expect"]["kind"] == "text"]
+    greetings = {g for chats in PLAIN_CHATS for g in chats[0]}
+    assert noisy and all(c["messages"][-2]["content"] not in greetings for c in noisy)
