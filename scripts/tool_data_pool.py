@@ -585,6 +585,10 @@ PLAIN_CHATS_FRESH = (
 )
 
 
+# The pools a request's values come from (for the echo and noise vocabularies).
+VALUE_POOLS = CITIES + NAMES + TOPICS + WORDS + LANGS + SYMBOLS + FOODS + TEAMS + SONGS + COLORS + MONTHS
+
+
 # Echo requests (training only): a random run of words to repeat, so the model must learn to copy from the
 # user's message rather than predict a value from the pools.
 ECHO_WRAPPERS_TRAIN = ("Repeat after me: {text}", "Say exactly this: {text}", "Please echo back: {text}",
@@ -597,8 +601,7 @@ def echo_vocabulary() -> tuple[str, ...]:
     """Words to repeat: make-tiny's corpus and every value pool, as whole words (built once)."""
     from kserve.tiny import TRAINING_CORPUS
 
-    pools = CITIES + NAMES + TOPICS + WORDS + LANGS + SYMBOLS + FOODS + TEAMS + SONGS + COLORS + MONTHS
-    text = TRAINING_CORPUS + " " + " ".join(pools)
+    text = TRAINING_CORPUS + " " + " ".join(VALUE_POOLS)
     return tuple(sorted(set(re.findall(r"\b[A-Za-z][a-z]{1,11}\b", text))))
 
 
@@ -730,27 +733,25 @@ FILLERS = (
 
 @functools.cache
 def noise_vocabulary() -> tuple[str, ...]:
-    """Fillers and the make-tiny corpus's words, less every word of a tool's requests and values (noise must not
-    read as a task or change an argument), of the two-task joiners, and of the unseen splits' phrasings (their
-    words stay unseen)."""
+    """Fillers and the make-tiny corpus's words, less every word of a tool's requests, names, descriptions and
+    values (noise must not read as a task or change an argument), of the two-task joiners, and of the unseen
+    splits' phrasings (their words stay unseen); plus the first word of every request."""
     from kserve.tiny import TRAINING_CORPUS
 
-    words = set(FILLERS) | set(re.findall(r"\b[a-z]{3,10}\b", TRAINING_CORPUS))
     tools = build_tools()
-    taken = " ".join(i for t in tools for i in t.intents) + " " + " ".join(q for qs in QUESTIONS_TRAIN.values()
-                                                                       for q in qs)
-    taken += " " + " ".join(t.name.replace("_", " ") + " " + t.description for t in tools)
-    pools = CITIES + NAMES + TOPICS + WORDS + LANGS + SYMBOLS + FOODS + TEAMS + SONGS + COLORS + MONTHS + UNITS
-    taken += " " + " ".join(list(pools) + list(TWO_TASK_JOINERS_TRAIN + TWO_TASK_JOINERS_HELDOUT + TWO_TASK_JOINERS_FRESH))
-    unseen = (WRAPPERS_HELDOUT + OPENERS_HELDOUT + CLOSERS_HELDOUT + WRAPPERS_FRESH + OPENERS_FRESH + CLOSERS_FRESH
-              + tuple(g for chats in (PLAIN_CHATS_HELDOUT, PLAIN_CHATS_FRESH) for c in chats for g in c[0]))
-    taken += " " + " ".join(unseen)
-    drop = {w.lower() for w in re.findall(r"[A-Za-z]+", taken)}
+    taken = [i for t in tools for i in t.intents] + [q for qs in QUESTIONS_TRAIN.values() for q in qs]
+    taken += [t.name.replace("_", " ") + " " + t.description for t in tools]
+    taken += VALUE_POOLS + UNITS + list(TWO_TASK_JOINERS_TRAIN + TWO_TASK_JOINERS_HELDOUT + TWO_TASK_JOINERS_FRESH)
+    taken += list(WRAPPERS_HELDOUT + OPENERS_HELDOUT + CLOSERS_HELDOUT + WRAPPERS_FRESH + OPENERS_FRESH + CLOSERS_FRESH)
+    taken += [g for chats in (PLAIN_CHATS_HELDOUT, PLAIN_CHATS_FRESH) for c in chats for g in c[0]]
+    drop = {w.lower() for w in re.findall(r"[A-Za-z]+", " ".join(taken))}
     stems = {d for d in drop if len(d) >= 4}  # "compresses" would read as "compress"
-    # the first word of every request ("get", "check", "when", ...) too: a request's verb not followed by its
-    # request reads as noise, so a wrapper holding one ("... get a ...") is not taken for the task
+    words = set(FILLERS) | set(re.findall(r"\b[a-z]{3,10}\b", TRAINING_CORPUS))
+    kept = {w for w in words if w not in drop and not any(w.startswith(d) for d in stems)}
+    # a request's verb not followed by its request reads as noise, so a wrapper holding one ("When you get a
+    # moment,") is not taken for the task
     verbs = {i.split()[0] for t in tools for i in t.intents}
-    return tuple(sorted({w for w in words if w not in drop and not any(w.startswith(d) for d in stems)} | verbs))
+    return tuple(sorted(kept | verbs))
 
 
 def add_noise(rng: random.Random, text: str, style: Phrasing) -> str:
