@@ -29,8 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tool_data_pool import (ECHO_WRAPPERS_TRAIN, SYSTEM_PROMPTS, Phrasing, Tool, add_noise, build_tools,
-                            echo_vocabulary, noise_vocabulary, phrasing)
+from tool_data_pool import (ECHO_WRAPPERS_TRAIN, SYSTEM_PROMPTS, Phrasing, Tool, add_noise, add_tail, build_tools,
+                            echo_vocabulary, noise_vocabulary, phrasing, tail_words)
 
 from kserve.chat import render_prompt
 
@@ -130,8 +130,10 @@ def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
     used = rng.sample(pool, n_calls)
     args = [t.draw(rng) for t in used]
     intents = [_ask(rng, t, a) for t, a in zip(used, args)]
-    intent = intents[0] if n_calls == 1 else add_noise(rng, rng.choice(style.joiners), style).format(
-        a=intents[0], b=intents[1])
+    if n_calls == 1:
+        intent = add_tail(rng, intents[0], style)
+    else:
+        intent = add_noise(rng, rng.choice(style.joiners), style).format(a=intents[0], b=intents[1])
     request = _wrap(rng, intent, style)
     if n_calls == 1 and used[0].name in style.questions and rng.random() < 0.3:
         opener = rng.choice(style.openers)
@@ -244,16 +246,20 @@ def assistant_spans(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
 
 
 def generate(seed: int, count: int, split: str = "train", plain_share: float = 0.3, thinking_share: float = 0.85,
-             agent_share: float = 0.2, echo_share: float = 0.0, noise_share: float = 0.0) -> list[dict]:
+             agent_share: float = 0.2, echo_share: float = 0.0, noise_share: float = 0.0,
+             tail_share: float = 0.0) -> list[dict]:
     """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
-    `noise_share` (training only), each literal part of a request gets noise words with that probability."""
-    if (echo_share or noise_share) and split != "train":
-        raise ValueError("echo requests and noise are for training only")
+    `noise_share` (training only), each literal part of a request gets noise words with that probability; with
+    `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability."""
+    if (echo_share or noise_share or tail_share) and split != "train":
+        raise ValueError("echo requests, noise and tails are for training only")
     rng = random.Random(f"{split}:{seed}")
     pool = build_tools()
     style = phrasing(split)
     if noise_share:
         style = dataclasses.replace(style, noise=noise_vocabulary(), noise_share=noise_share)
+    if tail_share:
+        style = dataclasses.replace(style, tail=tail_words(), tail_share=tail_share)
     out = []
     for _ in range(count):
         if echo_share and rng.random() < echo_share:

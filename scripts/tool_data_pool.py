@@ -619,6 +619,8 @@ class Phrasing:
     named_results: float = 1.0  # share of conversations whose tool results carry the tool's name (OpenAI's don't)
     noise: tuple[str, ...] = ()  # words inserted into the literal text around a request (training only)
     noise_share: float = 0.0  # chance that each literal part (wrapper, joiner, opener, closer, plain chat) gets some
+    tail: tuple[str, ...] = ()  # joiner words a one-task request may end in (training only)
+    tail_share: float = 0.0  # chance that a one-task request's task is followed by one of them
 
 
 def phrasing(split: str) -> Phrasing:
@@ -765,3 +767,23 @@ def add_noise(rng: random.Random, text: str, style: Phrasing) -> str:
         word = rng.choice(style.noise)
         words.insert(at, word[:1].upper() + word[1:] if at == 0 and text[:1].isupper() else word)
     return " ".join(words)
+
+
+# Joiner words after a one-task request (`generate(tail_share=...)`, the trainer's `--tail-share`; off by
+# default): "Check the weather in Paris too." has a training joiner's word and no second task, so a second call
+# must be read from a second task, not from the joiner (docs/embedded_model.md, twenty-fourth run).
+@functools.cache
+def tail_words() -> tuple[str, ...]:
+    """The training joiners' words that are no word of an unseen split's phrasing."""
+    unseen = " ".join(WRAPPERS_HELDOUT + WRAPPERS_FRESH + OPENERS_HELDOUT + OPENERS_FRESH + CLOSERS_HELDOUT
+                      + CLOSERS_FRESH + TWO_TASK_JOINERS_HELDOUT + TWO_TASK_JOINERS_FRESH)
+    taken = {w.lower() for w in re.findall(r"[A-Za-z]+", unseen)} | {"a", "b"}
+    joiners = {w.lower() for w in re.findall(r"[A-Za-z]+", " ".join(TWO_TASK_JOINERS_TRAIN))}
+    return tuple(sorted(joiners - taken))
+
+
+def add_tail(rng: random.Random, intent: str, style: Phrasing) -> str:
+    """With `style.tail_share`, a one-task request's task followed by a joiner word ("... in Paris too")."""
+    if not style.tail or rng.random() >= style.tail_share:
+        return intent
+    return intent + rng.choice((" ", ", ")) + rng.choice(style.tail)

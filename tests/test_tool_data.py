@@ -373,3 +373,34 @@ def test_noise_words_keep_the_unseen_splits_words_unseen_and_are_training_only()
     noisy = [c for c in generate(0, 40, "train", noise_share=1.0) if c["expect"]["kind"] == "text"]
     greetings = {g for chats in PLAIN_CHATS for g in chats[0]}
     assert noisy and all(c["messages"][-2]["content"] not in greetings for c in noisy)
+
+
+def test_tail_words_are_training_joiner_words_only_and_never_reach_the_thought():
+    """`--tail-share` (off in the recipe): a one-task request may end in a training joiner's word that is no word
+    of an unseen split's phrasing; the unseen splits refuse it, and the thought restates the task without it."""
+    import re
+
+    import tool_data_pool as pool
+
+    tail = set(pool.tail_words())
+    unseen = " ".join(pool.WRAPPERS_HELDOUT + pool.WRAPPERS_FRESH + pool.CLOSERS_HELDOUT + pool.CLOSERS_FRESH
+                      + pool.TWO_TASK_JOINERS_HELDOUT + pool.TWO_TASK_JOINERS_FRESH)
+    joiners = " ".join(pool.TWO_TASK_JOINERS_TRAIN)
+    assert tail and tail <= {w.lower() for w in re.findall(r"[A-Za-z]+", joiners)}
+    assert not tail & {w.lower() for w in re.findall(r"[A-Za-z]+", unseen)}
+    assert RECIPE.tail_share == 0.0
+    with pytest.raises(ValueError):
+        generate(1, 2, "fresh", tail_share=0.15)
+    tailed = 0
+    for row in generate(0, 200, "train", plain_share=0.0, tail_share=1.0):
+        calls = [m for m in row["messages"] if m.get("tool_calls")]
+        if len(calls[0]["tool_calls"]) != 1 or "reasoning_content" not in calls[0]:
+            continue
+        thought = calls[0]["reasoning_content"]
+        task = re.match(r"The request is to (.*), so I will call", thought)
+        user = row["messages"][row["messages"].index(calls[0]) - 1]["content"]
+        ends = re.findall(re.escape(task.group(1)) + r",? (\w+)", user) if task else []
+        if any(word in tail for word in ends):
+            tailed += 1
+            assert not any(f" {word}," in thought or f" {word}." in thought for word in tail), thought
+    assert tailed > 20
