@@ -475,7 +475,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bpe-conversations", type=int, default=3000)
     p.add_argument("--echo-share", type=float, default=0.0,
                    help="share of conversations asking to repeat random words, a copying probe (docs/embedded_model.md)")
-    p.add_argument("--noise-share", type=float, default=0.0,
+    p.add_argument("--noise-share", type=float, default=0.15,
                    help="chance that each literal part of a training request gets noise words (docs/embedded_model.md)")
     p.add_argument("--tail-share", type=float, default=0.0,
                    help="chance that a one-task training request ends in a joiner word (docs/embedded_model.md)")

@@ -77,7 +77,7 @@ def test_no_heldout_request_or_agent_prompt_appears_in_the_training_data(split):
     """The evaluation's conversations (seed 1) against the start of the shipped model's training data (seed 0):
     no user message and no agent system prompt in common, and every held-out tool request uses a held-out
     wrapper or joiner."""
-    train = generate(0, 4000, echo_share=RECIPE.echo_share)
+    train = generate(0, 4000, echo_share=RECIPE.echo_share, noise_share=RECIPE.noise_share)
     heldout = generate(1, 400, split)
 
     def said(rows, role):
@@ -253,7 +253,8 @@ def test_the_embedded_models_tokenizer_is_learned_from_these_conversations():
     train_tiny_chat.py's defaults learn from the first training conversations (seed 0), not K2's file."""
     from kserve.tiny import embedded_model_dir, tiktoken_model_text
 
-    convos = generate(RECIPE.seed, RECIPE.bpe_conversations, echo_share=RECIPE.echo_share)
+    convos = generate(RECIPE.seed, RECIPE.bpe_conversations, echo_share=RECIPE.echo_share,
+                      noise_share=RECIPE.noise_share)
     ranks = learn_corpus_ranks(convos, RECIPE.vocab)
     assert (embedded_model_dir() / "tiktoken.model").read_text() == tiktoken_model_text(ranks)
 
@@ -352,7 +353,7 @@ def test_answer_rows_send_the_results_as_the_openai_sdk_does_and_expect_the_fina
 
 
 def test_noise_words_keep_the_unseen_splits_words_unseen_and_are_training_only():
-    """`--noise-share` (off in the recipe): the noise never holds a word of a `heldout` or `fresh` phrasing other
+    """`--noise-share` (0.15 in the recipe): the noise never holds a word of a `heldout` or `fresh` phrasing other
     than a request's first word, nor a value; the unseen splits refuse it; a noisy plain chat carries a noise word."""
     import re
 
@@ -367,7 +368,7 @@ def test_noise_words_keep_the_unseen_splits_words_unseen_and_are_training_only()
     assert noise & unseen_words <= verbs and verbs <= noise
     values = {w.lower() for v in pool.CITIES + pool.NAMES + pool.FOODS + pool.WORDS for w in v.split()}
     assert not noise & values
-    assert RECIPE.noise_share == 0.0
+    assert RECIPE.noise_share == 0.15
     with pytest.raises(ValueError):
         generate(1, 2, "heldout", noise_share=0.15)
     noisy = [c for c in generate(0, 40, "train", noise_share=1.0) if c["expect"]["kind"] == "text"]
