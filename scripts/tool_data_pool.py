@@ -719,8 +719,8 @@ CONTEXT_SENTENCES = (
 )
 
 
-# Noise words around training requests (`generate(noise_share=...)`, the trainer's `--noise-share`; off by
-# default): words the model has not seen in a wrapper or joiner then read as noise, not as a task or a plain chat
+# Noise words around training requests (`generate(noise_share=...)`, the trainer's `--noise-share`, 0.15 in
+# the recipe): words the model has not seen in a wrapper or joiner then read as noise, not as a task or a plain chat
 # (docs/embedded_model.md, twenty-first and twenty-second runs).
 FILLERS = (
     "just", "really", "actually", "basically", "honestly", "maybe", "perhaps", "simply", "anyway", "somehow",
