@@ -24,6 +24,9 @@ bare_exact_args_rate: a short request that opens like a plain chat is where thes
 `--answers N` also sends N held-out tool conversations cut before the final answer, their tool results
 without `name` as the `openai` SDK sends them, and reports answer_stop_rate (text ending in `stop`) and
 answer_exact_rate (exactly the expected sentence): the turn that reads a result.
+`--long N` also sends N held-out conversations after several earlier exchanges (`add_history`: about 900 to
+3,000 tokens of prompt, as agents send) and reports long_tool_call_rate, long_exact_args_rate and
+long_plain_stop_rate.
 """
 
 from __future__ import annotations
@@ -156,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bare", type=int, default=0, help="also send this many bare tool requests")
     p.add_argument("--answers", type=int, default=0,
                    help="also send this many held-out tool conversations for their final answer")
+    p.add_argument("--long", type=int, default=0,
+                   help="also send this many held-out conversations after long histories (about 900 to 3,000 tokens)")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
 
@@ -187,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
                             thinking)
             result["answer_stop_rate"] = answers["plain_stop_rate"]
             result["answer_exact_rate"] = answers["plain_exact_rate"]
+        if args.long:
+            long = score(client, model, generate(args.seed, args.long, args.split, history_share=1.0), thinking)
+            result["long_tool_call_rate"] = long["tool_call_rate"]
+            result["long_exact_args_rate"] = long["exact_args_rate"]
+            result["long_plain_stop_rate"] = long["plain_stop_rate"]
         if args.loops:
             result["loop_probe"] = f"{loop_probe(client, model)} of {len(LOOP_PROBE)} at the cap"
     finally:

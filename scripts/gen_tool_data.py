@@ -174,6 +174,50 @@ def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
             "expect": expect, "eval_turn": turn}
 
 
+def add_history(rng: random.Random, pool: list[Tool], style: Phrasing, convo: dict[str, Any], thinking: bool,
+                plain_share: float) -> dict[str, Any]:
+    """`convo` after earlier exchanges (each a whole tool or plain conversation of the same phrasing, about
+    900 to 3,000 tokens in all), the way an agent's history runs long before its next request. Tool-call ids
+    count across the conversation as kserve rewrites them (`functions.{name}:{idx}`), and the tools used
+    earlier stay declared."""
+    budget = rng.randint(3000, 10000)  # characters of history, about 3.3 per token
+    history: list[dict[str, Any]] = []
+    used: dict[str, dict[str, Any]] = {}
+    while len(json.dumps(history, ensure_ascii=False)) < budget:
+        make = plain_conversation if rng.random() < plain_share else tool_conversation
+        earlier = make(rng, pool, style, thinking, agent=False)
+        history += [m for m in earlier["messages"] if m["role"] != "system"]
+        for m in earlier["messages"]:
+            for call in m.get("tool_calls", []):
+                name = call["function"]["name"]
+                used[name] = next(t.schema() for t in pool if t.name == name)
+    head = [m for m in convo["messages"][:1] if m["role"] == "system"]
+    messages = _count_call_ids(head + history + convo["messages"][len(head):])
+    declared = {t["function"]["name"]: t for t in convo["tools"]}
+    tools = list(declared.values()) + [t for name, t in used.items() if name not in declared]
+    rng.shuffle(tools)
+    return {**convo, "messages": messages, "tools": tools, "eval_turn": convo["eval_turn"] + len(history)}
+
+
+def _count_call_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool-call ids numbered across the whole conversation, each tool result pointing at its own call (the
+    latest call of that old id: every exchange numbers its calls from 0, and results follow their calls)."""
+    out, renamed, count = [], {}, 0
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                new_id = f"functions.{call['function']['name']}:{count}"
+                renamed[call["id"]] = new_id
+                count += 1
+                calls.append({**call, "id": new_id})
+            m = {**m, "tool_calls": calls}
+        elif m["role"] == "tool":
+            m = {**m, "tool_call_id": renamed[m["tool_call_id"]]}
+        out.append(m)
+    return out
+
+
 def _plain_reasoning(topic: str) -> str:
     """Names what the user does ("greets me") instead of quoting the message: a model that copies well would
     otherwise repeat a long message word for word before it answers."""
@@ -247,10 +291,11 @@ def assistant_spans(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
 
 def generate(seed: int, count: int, split: str = "train", plain_share: float = 0.3, thinking_share: float = 0.85,
              agent_share: float = 0.2, echo_share: float = 0.0, noise_share: float = 0.0,
-             tail_share: float = 0.0) -> list[dict]:
+             tail_share: float = 0.0, history_share: float = 0.0) -> list[dict]:
     """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
     `noise_share` (training only), each literal part of a request gets noise words with that probability; with
-    `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability."""
+    `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability;
+    `history_share` of the conversations come after a long history of earlier exchanges (`add_history`)."""
     if (echo_share or noise_share or tail_share) and split != "train":
         raise ValueError("echo requests, noise and tails are for training only")
     rng = random.Random(f"{split}:{seed}")
@@ -268,6 +313,8 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
             make = plain_conversation if rng.random() < plain_share else tool_conversation
         thinking = rng.random() < thinking_share
         convo = make(rng, pool, style, thinking, agent=rng.random() < agent_share)
+        if history_share and rng.random() < history_share:
+            convo = add_history(rng, pool, style, convo, thinking, plain_share)
         convo["thinking"] = thinking
         convo["text"], convo["spans"] = assistant_spans(convo["messages"], convo["tools"], thinking)
         out.append(convo)

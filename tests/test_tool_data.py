@@ -405,3 +405,44 @@ def test_tail_words_are_training_joiner_words_only_and_never_reach_the_thought()
             tailed += 1
             assert not any(f" {word}," in thought or f" {word}." in thought for word in tail), thought
     assert tailed > 20
+
+
+def test_history_puts_whole_earlier_exchanges_before_the_request_with_ids_counted_across_them():
+    """`--history-share` (off in the recipe) and `eval_tool_calls.py --long`: earlier exchanges go before the
+    request, their call ids count on across the conversation as kserve rewrites them, every called tool stays
+    declared, the evaluated turn is still the one expected, and most prompts run past the 1,024 tokens a
+    conversation usually has."""
+    from gen_tool_data import _count_call_ids
+
+    from kserve.chat import load_tokenizer
+
+    assert RECIPE.history_share == 0.0
+    tokenizer = load_tokenizer(Path(__file__).resolve().parents[1] / "kserve" / "tiny" / "tiny-k26-chat")
+    rows = generate(3, 24, "heldout", history_share=1.0)
+    lengths = []
+    for row in rows:
+        messages = row["messages"]
+        assert sum(m["role"] == "user" for m in messages) >= 3
+        ids = [c["id"] for m in messages for c in m.get("tool_calls", [])]
+        assert ids == [f"functions.{c['function']['name']}:{i}"
+                       for i, c in enumerate(c for m in messages for c in m.get("tool_calls", []))]
+        for i, m in enumerate(messages):
+            if m["role"] == "tool":
+                assert m["tool_call_id"] in [c["id"] for n in messages[:i] for c in n.get("tool_calls", [])]
+        declared = {t["function"]["name"] for t in row["tools"]}
+        assert {c["function"]["name"] for m in messages for c in m.get("tool_calls", [])} <= declared
+        turn = messages[row["eval_turn"]]
+        assert turn["role"] == "assistant" and messages[row["eval_turn"] - 1]["role"] == "user"
+        if row["expect"]["kind"] == "tool_calls":
+            assert [c["function"]["name"] for c in turn["tool_calls"]] == [c["name"] for c in row["expect"]["calls"]]
+        else:
+            assert turn["content"] == row["expect"]["content"] and turn is messages[-1]
+        prompt = render_prompt(messages[: row["eval_turn"]], row["tools"], add_generation_prompt=True,
+                               dialect="k2.6", thinking=row["thinking"])
+        lengths.append(len(tokenizer.encode(prompt, allow_special_tokens=True)))
+    assert sorted(lengths)[len(lengths) // 2] > 1024 and max(lengths) < 3072, lengths
+    # a tool result points at its own call when two exchanges both numbered theirs from 0
+    twice = [{"role": "assistant", "content": "", "tool_calls": [{"id": "functions.f:0", "type": "function",
+                                                                   "function": {"name": "f", "arguments": "{}"}}]},
+             {"role": "tool", "tool_call_id": "functions.f:0", "content": "1"}] * 2
+    assert [m.get("tool_call_id") for m in _count_call_ids(twice)] == [None, "functions.f:0", None, "functions.f:1"]
