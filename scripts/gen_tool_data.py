@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tool_data_pool import (ECHO_WRAPPERS_TRAIN, SYSTEM_PROMPTS, Phrasing, Tool, add_noise, add_tail, build_tools,
                             echo_vocabulary, noise_vocabulary, phrasing, tail_words)
 
-from kserve.chat import render_prompt
+from kserve.chat import normalize_tool_call_ids, render_prompt
 
 DIALECT = "k2.6"
 
@@ -192,30 +192,11 @@ def add_history(rng: random.Random, pool: list[Tool], style: Phrasing, convo: di
                 name = call["function"]["name"]
                 used[name] = next(t.schema() for t in pool if t.name == name)
     head = [m for m in convo["messages"][:1] if m["role"] == "system"]
-    messages = _count_call_ids(head + history + convo["messages"][len(head):])
+    messages = normalize_tool_call_ids(head + history + convo["messages"][len(head):])
     declared = {t["function"]["name"]: t for t in convo["tools"]}
     tools = list(declared.values()) + [t for name, t in used.items() if name not in declared]
     rng.shuffle(tools)
     return {**convo, "messages": messages, "tools": tools, "eval_turn": convo["eval_turn"] + len(history)}
-
-
-def _count_call_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Tool-call ids numbered across the whole conversation, each tool result pointing at its own call (the
-    latest call of that old id: every exchange numbers its calls from 0, and results follow their calls)."""
-    out, renamed, count = [], {}, 0
-    for m in messages:
-        if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = []
-            for call in m["tool_calls"]:
-                new_id = f"functions.{call['function']['name']}:{count}"
-                renamed[call["id"]] = new_id
-                count += 1
-                calls.append({**call, "id": new_id})
-            m = {**m, "tool_calls": calls}
-        elif m["role"] == "tool":
-            m = {**m, "tool_call_id": renamed[m["tool_call_id"]]}
-        out.append(m)
-    return out
 
 
 def _plain_reasoning(topic: str) -> str:

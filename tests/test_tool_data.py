@@ -412,9 +412,7 @@ def test_history_puts_whole_earlier_exchanges_before_the_request_with_ids_counte
     request, their call ids count on across the conversation as kserve rewrites them, every called tool stays
     declared, the evaluated turn is still the one expected, and most prompts run past the 1,024 tokens a
     conversation usually has."""
-    from gen_tool_data import _count_call_ids
-
-    from kserve.chat import load_tokenizer
+    from kserve.chat import load_tokenizer, normalize_tool_call_ids
 
     assert RECIPE.history_share == 0.0
     tokenizer = load_tokenizer(Path(__file__).resolve().parents[1] / "kserve" / "tiny" / "tiny-k26-chat")
@@ -442,7 +440,8 @@ def test_history_puts_whole_earlier_exchanges_before_the_request_with_ids_counte
         lengths.append(len(tokenizer.encode(prompt, allow_special_tokens=True)))
     assert sorted(lengths)[len(lengths) // 2] > 1024 and max(lengths) < 3072, lengths
     # a tool result points at its own call when two exchanges both numbered theirs from 0
-    twice = [{"role": "assistant", "content": "", "tool_calls": [{"id": "functions.f:0", "type": "function",
-                                                                   "function": {"name": "f", "arguments": "{}"}}]},
-             {"role": "tool", "tool_call_id": "functions.f:0", "content": "1"}] * 2
-    assert [m.get("tool_call_id") for m in _count_call_ids(twice)] == [None, "functions.f:0", None, "functions.f:1"]
+    twice = [message for _ in range(2) for message in (
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "functions.f:0", "type": "function",
+                                                             "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "functions.f:0", "content": "1"})]
+    assert [m.get("tool_call_id") for m in normalize_tool_call_ids(twice)] == [None, "functions.f:0", None, "functions.f:1"]
