@@ -27,6 +27,9 @@ answer_exact_rate (exactly the expected sentence): the turn that reads a result.
 `--long N` also sends N held-out conversations after several earlier exchanges (`add_history`: about 900 to
 3,000 tokens of prompt, as agents send) and reports long_tool_call_rate, long_exact_args_rate and
 long_plain_stop_rate.
+`--joiners N` also sends N bare two-task requests for each of JOINER_PROBE's joiners (training's, the held-out
+one, and unseen ones, two bare sentences among them) and reports joiner_probe: the share with both calls, per
+joiner.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gen_tool_data import generate
+from gen_tool_data import generate, two_task_requests
 
 
 def score(client: Any, model: str, rows: list[dict[str, Any]], thinking: bool | None = None,
@@ -142,6 +145,11 @@ def loop_probe(client: Any, model: str) -> int:
     return capped
 
 
+# training's " and " and " plus ", a noise word before " and ", the held-out " as well as ", and joiners no split has
+JOINER_PROBE = ("{a} and {b}", "{a} plus {b}", "{a} okay and {b}", "{a} as well as {b}", "{a}, as well as {b}",
+                "{a} along with {b}", "{a} window {b}", "{a}. As well as that, {b}", "{a}. {B}")
+
+
 def main(argv: list[str] | None = None) -> int:
     import openai
 
@@ -161,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also send this many held-out tool conversations for their final answer")
     p.add_argument("--long", type=int, default=0,
                    help="also send this many held-out conversations after long histories (about 900 to 3,000 tokens)")
+    p.add_argument("--joiners", type=int, default=0,
+                   help="also send this many bare two-task requests for each of JOINER_PROBE's joiners")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
 
@@ -197,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
             result["long_tool_call_rate"] = long["tool_call_rate"]
             result["long_exact_args_rate"] = long["exact_args_rate"]
             result["long_plain_stop_rate"] = long["plain_stop_rate"]
+        if args.joiners:
+            result["joiner_probe"] = {j: score(client, model, two_task_requests(args.seed, args.joiners, j),
+                                               thinking)["tool_call_rate"] for j in JOINER_PROBE}
         if args.loops:
             result["loop_probe"] = f"{loop_probe(client, model)} of {len(LOOP_PROBE)} at the cap"
     finally:

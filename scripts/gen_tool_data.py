@@ -199,6 +199,25 @@ def add_history(rng: random.Random, pool: list[Tool], style: Phrasing, convo: di
     return {**convo, "messages": messages, "tools": tools, "eval_turn": convo["eval_turn"] + len(history)}
 
 
+def two_task_requests(seed: int, count: int, joiner: str) -> list[dict[str, Any]]:
+    """`count` bare two-task requests joined by `joiner` ("{a} as well as {b}"; "{B}" for the second task
+    capitalized), no opener, wrapper or closer, the two tools declared: a probe of what the model reads a second
+    task from. Rows are `generate`'s shape, cut at the request."""
+    rng = random.Random(f"joiners:{seed}")
+    pool = build_tools()
+    rows = []
+    for _ in range(count):
+        used = rng.sample(pool, 2)
+        args = [t.draw(rng) for t in used]
+        a, b = (_ask(rng, t, x) for t, x in zip(used, args))
+        text = joiner.format(a=a[:1].upper() + a[1:], b=b, B=b[:1].upper() + b[1:]) + "."
+        rows.append({"messages": [{"role": "user", "content": text}], "tools": [t.schema() for t in used],
+                     "expect": {"kind": "tool_calls",
+                                "calls": [{"name": t.name, "arguments": x} for t, x in zip(used, args)]},
+                     "eval_turn": 1})
+    return rows
+
+
 def _plain_reasoning(topic: str) -> str:
     """Names what the user does ("greets me") instead of quoting the message: a model that copies well would
     otherwise repeat a long message word for word before it answers."""

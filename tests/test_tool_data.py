@@ -445,3 +445,27 @@ def test_history_puts_whole_earlier_exchanges_before_the_request_with_ids_counte
                                                              "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "functions.f:0", "content": "1"})]
     assert [m.get("tool_call_id") for m in normalize_tool_call_ids(twice)] == [None, "functions.f:0", None, "functions.f:1"]
+
+
+def test_joiner_probe_requests_hold_both_tasks_around_the_joiner_and_declare_their_two_tools():
+    """`eval_tool_calls.py --joiners`: each bare request is the first task, the joiner's words, the second task,
+    and expects the two calls in that order with only their two tools declared."""
+    from eval_tool_calls import JOINER_PROBE
+    from gen_tool_data import two_task_requests
+
+    tools = {t.name: t for t in build_tools()}
+    for joiner in JOINER_PROBE:
+        rows = two_task_requests(1, 12, joiner)
+        assert len({r["messages"][0]["content"] for r in rows}) == 12
+        head, _, tail = joiner.partition("{a}")
+        middle = tail.split("{")[0]
+        for row in rows:
+            text = row["messages"][0]["content"]
+            calls = row["expect"]["calls"]
+            assert len(calls) == 2 and calls[0]["name"] != calls[1]["name"]
+            assert [t["function"]["name"] for t in row["tools"]] == [c["name"] for c in calls]
+            assert middle in text and text.endswith(".") and row["eval_turn"] == 1
+            first, second = text[: text.index(middle)], text[text.index(middle) + len(middle):]
+            for part, call in ((first, calls[0]), (second, calls[1])):
+                assert any(fill(i, call["arguments"]).lower() in part.lower() for i in tools[call["name"]].intents), (
+                    part, call)
