@@ -457,7 +457,7 @@ def test_joiner_probe_requests_hold_both_tasks_around_the_joiner_and_declare_the
     for joiner in JOINER_PROBE:
         rows = two_task_requests(1, 12, joiner)
         assert len({r["messages"][0]["content"] for r in rows}) == 12
-        head, _, tail = joiner.partition("{a}")
+        _, _, tail = joiner.partition("{a}")
         middle = tail.split("{")[0]
         for row in rows:
             text = row["messages"][0]["content"]
