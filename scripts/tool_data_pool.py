@@ -621,6 +621,8 @@ class Phrasing:
     noise_share: float = 0.0  # chance that each literal part (wrapper, joiner, opener, closer, plain chat) gets some
     tail: tuple[str, ...] = ()  # joiner words a one-task request may end in (training only)
     tail_share: float = 0.0  # chance that a one-task request's task is followed by one of them
+    links: tuple[str, ...] = ()  # noise words that may join two tasks with no joiner's word (training only)
+    link_share: float = 0.0  # chance that a two-task request is joined by them instead of a joiner
 
 
 def phrasing(split: str) -> Phrasing:
@@ -787,3 +789,23 @@ def add_tail(rng: random.Random, intent: str, style: Phrasing) -> str:
     if not style.tail or rng.random() >= style.tail_share:
         return intent
     return intent + rng.choice((" ", ", ")) + rng.choice(style.tail)
+
+
+# Two tasks joined by noise words only (`generate(link_share=...)`, the trainer's `--link-share`; off by default):
+# the shipped model reads a second task only from a training joiner's word (`eval_tool_calls.py --joiners`), so
+# here nothing but the second task's own request marks it; noise after one task (`--noise-share`) marks nothing.
+@functools.cache
+def link_words() -> tuple[str, ...]:
+    """The noise vocabulary less every request's verb: no word of an unseen split's phrasing, no task."""
+    verbs = {i.split()[0] for t in build_tools() for i in t.intents}
+    return tuple(w for w in noise_vocabulary() if w not in verbs)
+
+
+def link_joiner(rng: random.Random, style: Phrasing) -> str:
+    """A separator and zero to two link words between "{a}" and "{b}" ("{a}, honestly {b}", "{a}. {B}")."""
+    separator = rng.choice((" ", ", ", "; ", ". "))
+    words = rng.sample(style.links, rng.randint(1 if separator == " " else 0, 2))
+    tail = " ".join(words + ["{b}"])
+    if separator == ". ":
+        tail = "{B}" if not words else tail[:1].upper() + tail[1:]
+    return "{a}" + separator + tail

@@ -407,6 +407,39 @@ def test_tail_words_are_training_joiner_words_only_and_never_reach_the_thought()
     assert tailed > 20
 
 
+def test_link_words_alone_join_two_tasks_and_share_no_word_with_an_unseen_split_or_a_task():
+    """`--link-share` (off in the recipe): a two-task request's tasks may be joined by a separator and noise
+    words alone. No link word is a request's verb, a training joiner's word or a word of an unseen split's
+    phrasing; the unseen splits refuse it; the thought still restates both tasks."""
+    import re
+
+    import tool_data_pool as pool
+
+    links = set(pool.link_words())
+    unseen = " ".join(pool.WRAPPERS_HELDOUT + pool.WRAPPERS_FRESH + pool.OPENERS_HELDOUT + pool.OPENERS_FRESH
+                      + pool.CLOSERS_HELDOUT + pool.CLOSERS_FRESH + pool.TWO_TASK_JOINERS_HELDOUT
+                      + pool.TWO_TASK_JOINERS_FRESH + TWO_TASK_JOINERS_TRAIN)
+    verbs = {i.split()[0] for t in build_tools() for i in t.intents}
+    assert len(links) > 100
+    assert not links & ({w.lower() for w in re.findall(r"[A-Za-z]+", unseen)} | verbs)
+    assert RECIPE.link_share == 0.0
+    with pytest.raises(ValueError):
+        generate(1, 2, "heldout", link_share=0.25)
+    joined = 0
+    for row in generate(0, 300, "train", plain_share=0.0, link_share=1.0):
+        turn = next(m for m in row["messages"] if m.get("tool_calls"))
+        if len(turn["tool_calls"]) != 2 or "reasoning_content" not in turn:
+            continue
+        tasks = re.match(r"The request is to (.*) and to (.*), so I will call", turn["reasoning_content"])
+        user = row["messages"][row["messages"].index(turn) - 1]["content"]
+        user, first, second = user.lower(), tasks.group(1).lower(), tasks.group(2).lower()
+        between = user[user.index(first) + len(first): user.index(second, user.index(first) + len(first))]
+        assert re.fullmatch(r"(\. |, |; | )([a-z]+ ){0,2}", between), (between, user)
+        assert {w.lower() for w in between.split() if w.strip(".,;")} <= links, (between, user)
+        joined += 1
+    assert joined > 20
+
+
 def test_history_puts_whole_earlier_exchanges_before_the_request_with_ids_counted_across_them():
     """`--history-share` (off in the recipe) and `eval_tool_calls.py --long`: earlier exchanges go before the
     request, their call ids count on across the conversation as kserve rewrites them, every called tool stays
