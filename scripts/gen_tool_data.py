@@ -29,8 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tool_data_pool import (ECHO_WRAPPERS_TRAIN, SYSTEM_PROMPTS, Phrasing, Tool, add_noise, add_tail, build_tools,
-                            echo_vocabulary, link_joiner, link_words, noise_vocabulary, phrasing,
+from tool_data_pool import (ECHO_WRAPPERS_TRAIN, SYSTEM_PROMPTS, Phrasing, Tool, add_link_tail, add_noise, add_tail,
+                            build_tools, echo_vocabulary, link_joiner, link_words, noise_vocabulary, phrasing,
                             tail_words)
 
 from kserve.chat import normalize_tool_call_ids, render_prompt
@@ -132,7 +132,7 @@ def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
     args = [t.draw(rng) for t in used]
     intents = [_ask(rng, t, a) for t, a in zip(used, args)]
     if n_calls == 1:
-        intent = add_tail(rng, intents[0], style)
+        intent = add_link_tail(rng, add_tail(rng, intents[0], style), style)
     elif style.links and rng.random() < style.link_share:
         intent = link_joiner(rng, style).format(a=intents[0], b=intents[1], B=intents[1][:1].upper() + intents[1][1:])
     else:
@@ -294,13 +294,15 @@ def assistant_spans(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
 
 def generate(seed: int, count: int, split: str = "train", plain_share: float = 0.3, thinking_share: float = 0.85,
              agent_share: float = 0.2, echo_share: float = 0.0, noise_share: float = 0.0,
-             tail_share: float = 0.0, history_share: float = 0.0, link_share: float = 0.0) -> list[dict]:
+             tail_share: float = 0.0, history_share: float = 0.0, link_share: float = 0.0,
+             link_tail_share: float = 0.0) -> list[dict]:
     """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
     `noise_share` (training only), each literal part of a request gets noise words with that probability; with
     `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability;
-    with `link_share` (training only), a two-task request's tasks are joined by noise words alone (`link_joiner`);
+    with `link_share` (training only), a two-task request's tasks are joined by noise words alone (`link_joiner`),
+    and with `link_tail_share` a one-task request's task is followed by them (`add_link_tail`);
     `history_share` of the conversations come after a long history of earlier exchanges (`add_history`)."""
-    if (echo_share or noise_share or tail_share or link_share) and split != "train":
+    if (echo_share or noise_share or tail_share or link_share or link_tail_share) and split != "train":
         raise ValueError("echo requests, noise, tails and link words are for training only")
     rng = random.Random(f"{split}:{seed}")
     pool = build_tools()
@@ -309,8 +311,9 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
         style = dataclasses.replace(style, noise=noise_vocabulary(), noise_share=noise_share)
     if tail_share:
         style = dataclasses.replace(style, tail=tail_words(), tail_share=tail_share)
-    if link_share:
-        style = dataclasses.replace(style, links=link_words(), link_share=link_share)
+    if link_share or link_tail_share:
+        style = dataclasses.replace(style, links=link_words(), link_share=link_share,
+                                    link_tail_share=link_tail_share)
     out = []
     for _ in range(count):
         if echo_share and rng.random() < echo_share:

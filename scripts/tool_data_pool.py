@@ -623,6 +623,7 @@ class Phrasing:
     tail_share: float = 0.0  # chance that a one-task request's task is followed by one of them
     links: tuple[str, ...] = ()  # noise words that may join two tasks with no joiner's word (training only)
     link_share: float = 0.0  # chance that a two-task request is joined by them instead of a joiner
+    link_tail_share: float = 0.0  # chance that a one-task request's task is followed by them (training only)
 
 
 def phrasing(split: str) -> Phrasing:
@@ -809,3 +810,14 @@ def link_joiner(rng: random.Random, style: Phrasing) -> str:
     if separator == ". ":
         tail = "{B}" if not words else tail[:1].upper() + tail[1:]
     return "{a}" + separator + tail
+
+
+def add_link_tail(rng: random.Random, intent: str, style: Phrasing) -> str:
+    """With `style.link_tail_share`, a one-task request's task followed by what `link_joiner` puts before a
+    second task, with no second task ("... in Paris. Honestly buddy"): a sentence of unseen words after one task
+    ("Much obliged.") then asks for nothing."""
+    if not style.link_tail_share or rng.random() >= style.link_tail_share:
+        return intent
+    separator = rng.choice((" ", ", ", "; ", ". "))
+    words = " ".join(rng.sample(style.links, rng.randint(1, 2)))
+    return intent + separator + (words[:1].upper() + words[1:] if separator == ". " else words)

@@ -327,7 +327,7 @@ def train(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     convos = generate(args.seed, args.conversations, "train", echo_share=args.echo_share,
                       noise_share=args.noise_share, tail_share=args.tail_share, history_share=args.history_share,
-                      link_share=args.link_share)
+                      link_share=args.link_share, link_tail_share=args.link_tail_share)
     ranks = learn_corpus_ranks(convos[: args.bpe_conversations], args.vocab)
     # make-tiny writes the tokenizer files, config and vision tower; the text weights are then replaced
     write_tiny_checkpoint(out, seed=args.seed, variant="k25", config_overrides=TEXT_OVERRIDES, ranks=ranks)
@@ -482,6 +482,9 @@ def parser() -> argparse.ArgumentParser:
                    help="chance that a one-task training request ends in a joiner word (docs/embedded_model.md)")
     p.add_argument("--link-share", type=float, default=0.0,
                    help="chance that a two-task training request's tasks are joined by noise words alone "
+                        "(docs/embedded_model.md)")
+    p.add_argument("--link-tail-share", type=float, default=0.0,
+                   help="chance that a one-task training request's task is followed by noise words alone "
                         "(docs/embedded_model.md)")
     p.add_argument("--history-share", type=float, default=0.0,
                    help="share of conversations after a long history of earlier exchanges; give --max-len 3072 "

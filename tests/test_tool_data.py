@@ -440,6 +440,31 @@ def test_link_words_alone_join_two_tasks_and_share_no_word_with_an_unseen_split_
     assert joined > 20
 
 
+def test_link_tails_follow_one_task_with_link_words_and_no_second_call():
+    """`--link-tail-share` (off in the recipe): a one-task request's task may be followed by a separator and
+    link words with no second task; the unseen splits refuse it, and the thought and the call stay one task."""
+    import re
+
+    import tool_data_pool as pool
+
+    links = set(pool.link_words())
+    assert RECIPE.link_tail_share == 0.0
+    with pytest.raises(ValueError):
+        generate(1, 2, "fresh", link_tail_share=0.25)
+    tailed = 0
+    for row in generate(0, 200, "train", plain_share=0.0, link_tail_share=1.0):
+        turn = next(m for m in row["messages"] if m.get("tool_calls"))
+        if len(turn["tool_calls"]) != 1 or "reasoning_content" not in turn:
+            continue
+        task = re.match(r"The request is to (.*), so I will call (\w+)\.$", turn["reasoning_content"])
+        assert task and " and to " not in task.group(1), turn["reasoning_content"]
+        user = row["messages"][row["messages"].index(turn) - 1]["content"].lower()
+        after = re.match(r"([.,;]? )([a-z]+)( [a-z]+)?[.?]", user.split(task.group(1).lower(), 1)[-1])
+        if after and {w for w in after.group(0).strip(".,;? ").split()} <= links:
+            tailed += 1
+    assert tailed > 60
+
+
 def test_history_puts_whole_earlier_exchanges_before_the_request_with_ids_counted_across_them():
     """`--history-share` (off in the recipe) and `eval_tool_calls.py --long`: earlier exchanges go before the
     request, their call ids count on across the conversation as kserve rewrites them, every called tool stays
