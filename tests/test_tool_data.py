@@ -407,6 +407,17 @@ def test_tail_words_are_training_joiner_words_only_and_never_reach_the_thought()
     assert tailed > 20
 
 
+def _thoughts_and_requests(rows: list[dict], n_calls: int) -> list[tuple[str, str]]:
+    """(thought, request in lower case) of each row whose first tool turn makes `n_calls` calls after a thought."""
+    out = []
+    for row in rows:
+        turn = next(m for m in row["messages"] if m.get("tool_calls"))
+        if len(turn["tool_calls"]) == n_calls and "reasoning_content" in turn:
+            user = row["messages"][row["messages"].index(turn) - 1]["content"]
+            out.append((turn["reasoning_content"], user.lower()))
+    return out
+
+
 def test_link_words_alone_join_two_tasks_and_share_no_word_with_an_unseen_split_or_a_task():
     """`--link-share` (off in the recipe): a two-task request's tasks may be joined by a separator and noise
     words alone. No link word is a request's verb, a training joiner's word or a word of an unseen split's
@@ -425,19 +436,13 @@ def test_link_words_alone_join_two_tasks_and_share_no_word_with_an_unseen_split_
     assert RECIPE.link_share == 0.0
     with pytest.raises(ValueError):
         generate(1, 2, "heldout", link_share=0.25)
-    joined = 0
-    for row in generate(0, 300, "train", plain_share=0.0, link_share=1.0):
-        turn = next(m for m in row["messages"] if m.get("tool_calls"))
-        if len(turn["tool_calls"]) != 2 or "reasoning_content" not in turn:
-            continue
-        tasks = re.match(r"The request is to (.*) and to (.*), so I will call", turn["reasoning_content"])
-        user = row["messages"][row["messages"].index(turn) - 1]["content"]
-        user, first, second = user.lower(), tasks.group(1).lower(), tasks.group(2).lower()
+    pairs = _thoughts_and_requests(generate(0, 300, "train", plain_share=0.0, link_share=1.0), 2)
+    for thought, user in pairs:
+        first, second = (t.lower() for t in re.match(r"The request is to (.*) and to (.*), so I", thought).groups())
         between = user[user.index(first) + len(first): user.index(second, user.index(first) + len(first))]
         assert re.fullmatch(r"(\. |, |; | )([a-z]+ ){0,2}", between), (between, user)
-        assert {w.lower() for w in between.split() if w.strip(".,;")} <= links, (between, user)
-        joined += 1
-    assert joined > 20
+        assert {w for w in between.split() if w.strip(".,;")} <= links, (between, user)
+    assert len(pairs) > 20
 
 
 def test_link_tails_follow_one_task_with_link_words_and_no_second_call():
@@ -452,13 +457,9 @@ def test_link_tails_follow_one_task_with_link_words_and_no_second_call():
     with pytest.raises(ValueError):
         generate(1, 2, "fresh", link_tail_share=0.25)
     tailed = 0
-    for row in generate(0, 200, "train", plain_share=0.0, link_tail_share=1.0):
-        turn = next(m for m in row["messages"] if m.get("tool_calls"))
-        if len(turn["tool_calls"]) != 1 or "reasoning_content" not in turn:
-            continue
-        task = re.match(r"The request is to (.*), so I will call (\w+)\.$", turn["reasoning_content"])
-        assert task and " and to " not in task.group(1), turn["reasoning_content"]
-        user = row["messages"][row["messages"].index(turn) - 1]["content"].lower()
+    for thought, user in _thoughts_and_requests(generate(0, 200, "train", plain_share=0.0, link_tail_share=1.0), 1):
+        task = re.match(r"The request is to (.*), so I will call (\w+)\.$", thought)
+        assert task and " and to " not in task.group(1), thought
         after = re.match(r"([.,;]? )([a-z]+)( [a-z]+)?[.?]", user.split(task.group(1).lower(), 1)[-1])
         if after and {w for w in after.group(0).strip(".,;? ").split()} <= links:
             tailed += 1
