@@ -133,7 +133,7 @@ def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
     intents = [_ask(rng, t, a) for t, a in zip(used, args)]
     if n_calls == 1:
         intent = add_link_tail(rng, add_tail(rng, intents[0], style), style)
-    elif style.links and rng.random() < style.link_share:
+    elif style.link_share and rng.random() < style.link_share:
         intent = link_joiner(rng, style).format(a=intents[0], b=intents[1], B=intents[1][:1].upper() + intents[1][1:])
     else:
         intent = add_noise(rng, rng.choice(style.joiners), style).format(a=intents[0], b=intents[1])
