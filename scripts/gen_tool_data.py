@@ -295,12 +295,13 @@ def assistant_spans(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
 def generate(seed: int, count: int, split: str = "train", plain_share: float = 0.3, thinking_share: float = 0.85,
              agent_share: float = 0.2, echo_share: float = 0.0, noise_share: float = 0.0,
              tail_share: float = 0.0, history_share: float = 0.0, link_share: float = 0.0,
-             link_tail_share: float = 0.0) -> list[dict]:
+             link_tail_share: float = 0.0, link_inline: bool = False) -> list[dict]:
     """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
     `noise_share` (training only), each literal part of a request gets noise words with that probability; with
     `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability;
     with `link_share` (training only), a two-task request's tasks are joined by noise words alone (`link_joiner`),
-    and with `link_tail_share` a one-task request's task is followed by them (`add_link_tail`);
+    and with `link_tail_share` a one-task request's task is followed by them (`add_link_tail`); with
+    `link_inline`, link words stand only inside a sentence;
     `history_share` of the conversations come after a long history of earlier exchanges (`add_history`)."""
     if (echo_share or noise_share or tail_share or link_share or link_tail_share) and split != "train":
         raise ValueError("echo requests, noise, tails and link words are for training only")
@@ -313,7 +314,7 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
         style = dataclasses.replace(style, tail=tail_words(), tail_share=tail_share)
     if link_share or link_tail_share:
         style = dataclasses.replace(style, links=link_words(), link_share=link_share,
-                                    link_tail_share=link_tail_share)
+                                    link_tail_share=link_tail_share, link_inline=link_inline)
     out = []
     for _ in range(count):
         if echo_share and rng.random() < echo_share:

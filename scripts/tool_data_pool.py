@@ -624,6 +624,7 @@ class Phrasing:
     links: tuple[str, ...] = ()  # noise words that may join two tasks with no joiner's word (training only)
     link_share: float = 0.0  # chance that a two-task request is joined by them instead of a joiner
     link_tail_share: float = 0.0  # chance that a one-task request's task is followed by them (training only)
+    link_inline: bool = False  # link words only inside a sentence: a new sentence after a task still ends it
 
 
 def phrasing(split: str) -> Phrasing:
@@ -802,9 +803,15 @@ def link_words() -> tuple[str, ...]:
     return tuple(w for w in noise_vocabulary() if w not in verbs)
 
 
+def _link_separators(style: Phrasing) -> tuple[str, ...]:
+    """What stands before link words; with `style.link_inline`, no ". ", so an unseen sentence after a task
+    ("Much obliged.") is never what starts a second one (docs/embedded_model.md, thirty-second run)."""
+    return (" ", ", ", "; ") if style.link_inline else (" ", ", ", "; ", ". ")
+
+
 def link_joiner(rng: random.Random, style: Phrasing) -> str:
     """A separator and zero to two link words between "{a}" and "{b}" ("{a}, honestly {b}", "{a}. {B}")."""
-    separator = rng.choice((" ", ", ", "; ", ". "))
+    separator = rng.choice(_link_separators(style))
     words = rng.sample(style.links, rng.randint(1 if separator == " " else 0, 2))
     tail = " ".join(words + ["{b}"])
     if separator == ". ":
@@ -818,6 +825,6 @@ def add_link_tail(rng: random.Random, intent: str, style: Phrasing) -> str:
     ("Much obliged.") then asks for nothing."""
     if not style.link_tail_share or rng.random() >= style.link_tail_share:
         return intent
-    separator = rng.choice((" ", ", ", "; ", ". "))
+    separator = rng.choice(_link_separators(style))
     words = " ".join(rng.sample(style.links, rng.randint(1, 2)))
     return intent + separator + (words[:1].upper() + words[1:] if separator == ". " else words)

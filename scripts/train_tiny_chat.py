@@ -327,7 +327,8 @@ def train(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     convos = generate(args.seed, args.conversations, "train", echo_share=args.echo_share,
                       noise_share=args.noise_share, tail_share=args.tail_share, history_share=args.history_share,
-                      link_share=args.link_share, link_tail_share=args.link_tail_share)
+                      link_share=args.link_share, link_tail_share=args.link_tail_share,
+                      link_inline=args.link_inline)
     ranks = learn_corpus_ranks(convos[: args.bpe_conversations], args.vocab)
     # make-tiny writes the tokenizer files, config and vision tower; the text weights are then replaced
     write_tiny_checkpoint(out, seed=args.seed, variant="k25", config_overrides=TEXT_OVERRIDES, ranks=ranks)
@@ -486,6 +487,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--link-tail-share", type=float, default=0.0,
                    help="chance that a one-task training request's task is followed by noise words alone "
                         "(docs/embedded_model.md)")
+    p.add_argument("--link-inline", action="store_true",
+                   help="link words only inside a sentence, never after a full stop (docs/embedded_model.md)")
     p.add_argument("--history-share", type=float, default=0.0,
                    help="share of conversations after a long history of earlier exchanges; give --max-len 3072 "
                         "with it (docs/embedded_model.md)")

@@ -421,7 +421,8 @@ def _thoughts_and_requests(rows: list[dict], n_calls: int) -> list[tuple[str, st
 def test_link_words_alone_join_two_tasks_and_share_no_word_with_an_unseen_split_or_a_task():
     """`--link-share` (off in the recipe): a two-task request's tasks may be joined by a separator and noise
     words alone. No link word is a request's verb, a training joiner's word or a word of an unseen split's
-    phrasing; the unseen splits refuse it; the thought still restates both tasks."""
+    phrasing; the unseen splits refuse it; the thought still restates both tasks. With `--link-inline` no full
+    stop stands between the tasks."""
     import re
 
     import tool_data_pool as pool
@@ -436,13 +437,15 @@ def test_link_words_alone_join_two_tasks_and_share_no_word_with_an_unseen_split_
     assert RECIPE.link_share == 0.0
     with pytest.raises(ValueError):
         generate(1, 2, "heldout", link_share=0.25)
-    pairs = _thoughts_and_requests(generate(0, 300, "train", plain_share=0.0, link_share=1.0), 2)
-    for thought, user in pairs:
-        first, second = (t.lower() for t in re.match(r"The request is to (.*) and to (.*), so I", thought).groups())
-        between = user[user.index(first) + len(first): user.index(second, user.index(first) + len(first))]
-        assert re.fullmatch(r"(\. |, |; | )([a-z]+ ){0,2}", between), (between, user)
-        assert {w for w in between.split() if w.strip(".,;")} <= links, (between, user)
-    assert len(pairs) > 20
+    for inline, separator in ((False, r"\. |, |; | "), (True, r", |; | ")):
+        pairs = _thoughts_and_requests(generate(0, 300, "train", plain_share=0.0, link_share=1.0,
+                                                link_inline=inline), 2)
+        for thought, user in pairs:
+            first, second = (t.lower() for t in re.match(r"The request is to (.*) and to (.*), so I", thought).groups())
+            between = user[user.index(first) + len(first): user.index(second, user.index(first) + len(first))]
+            assert re.fullmatch(f"({separator})([a-z]+ ){{0,2}}", between), (between, user)
+            assert {w for w in between.split() if w.strip(".,;")} <= links, (between, user)
+        assert len(pairs) > 20
 
 
 def test_link_tails_follow_one_task_with_link_words_and_no_second_call():
