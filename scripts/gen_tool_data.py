@@ -29,9 +29,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tool_data_pool import (ECHO_WRAPPERS_TRAIN, SYSTEM_PROMPTS, Phrasing, Tool, add_link_tail, add_noise, add_tail,
-                            build_tools, echo_vocabulary, link_joiner, link_words, noise_vocabulary, phrasing,
-                            tail_words)
+from tool_data_pool import (ECHO_WRAPPERS_TRAIN, PLAIN_QUESTION_CHATS_TRAIN, SYSTEM_PROMPTS, Phrasing, Tool,
+                            add_link_tail, add_noise, add_tail, build_tools, echo_vocabulary, link_joiner, link_words,
+                            noise_vocabulary, phrasing, tail_words)
 
 from kserve.chat import normalize_tool_call_ids, render_prompt
 
@@ -295,19 +295,24 @@ def assistant_spans(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
 def generate(seed: int, count: int, split: str = "train", plain_share: float = 0.3, thinking_share: float = 0.85,
              agent_share: float = 0.2, echo_share: float = 0.0, noise_share: float = 0.0,
              tail_share: float = 0.0, history_share: float = 0.0, link_share: float = 0.0,
-             link_tail_share: float = 0.0, link_inline: bool = False) -> list[dict]:
+             link_tail_share: float = 0.0, link_inline: bool = False,
+             question_chats: bool = False) -> list[dict]:
     """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
     `noise_share` (training only), each literal part of a request gets noise words with that probability; with
     `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability;
     with `link_share` (training only), a two-task request's tasks are joined by noise words alone (`link_joiner`),
     and with `link_tail_share` a one-task request's task is followed by them (`add_link_tail`); with
-    `link_inline`, link words stand only inside a sentence;
+    `link_inline`, link words stand only inside a sentence; with `question_chats` (training only), the plain
+    chats include small talk asked as tool questions are (`PLAIN_QUESTION_CHATS_TRAIN`);
     `history_share` of the conversations come after a long history of earlier exchanges (`add_history`)."""
-    if (echo_share or noise_share or tail_share or link_share or link_tail_share) and split != "train":
-        raise ValueError("echo requests, noise, tails and link words are for training only")
+    if (echo_share or noise_share or tail_share or link_share or link_tail_share or question_chats) \
+            and split != "train":
+        raise ValueError("echo requests, noise, tails, link words and question chats are for training only")
     rng = random.Random(f"{split}:{seed}")
     pool = build_tools()
     style = phrasing(split)
+    if question_chats:
+        style = dataclasses.replace(style, plain=style.plain + PLAIN_QUESTION_CHATS_TRAIN)
     if noise_share:
         style = dataclasses.replace(style, noise=noise_vocabulary(), noise_share=noise_share)
     if tail_share:

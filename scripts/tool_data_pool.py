@@ -573,6 +573,17 @@ PLAIN_CHATS = (
     (("Can you help me?", "I need some help.", "Are you there?"), "Of course. What do you need?", "asks for help"),
     (("How old are you?", "When were you made?"), "I was trained recently, in 2026.", "asks my age"),
 )
+# Small talk asked the way tool questions are asked ("What's ...", "How's ..."), training only and off in the
+# recipe (`--question-chats`): after history training an unseen "Yo, what's up?" reads as a request.
+PLAIN_QUESTION_CHATS_TRAIN = (
+    (("What's new?", "What's going on?", "What's happening?", "What's good?", "How's life?", "How's everything?",
+      "How have you been?", "What are you up to?", "How are things?", "What's cooking?", "Hey, what's new?",
+      "Hi, what's going on?", "Hello, how's life?", "What's new, friend?"),
+     "Hello! How can I help you today?", "greets me"),
+    (("What's your favorite color?", "What's your favourite food?", "What's your favorite movie?",
+      "What's your favorite song?", "How's your mood?", "What do you like to do?"),
+     "I have no favorites, but I enjoy a good chat.", "asks what I like"),
+)
 PLAIN_CHATS_HELDOUT = (
     (("Yo, what's up?", "Howdy!"), "Hello! How can I help you today?", "greets me"),
     (("Much appreciated.", "Cheers for that."), "You're welcome!", "thanks me"),

@@ -24,6 +24,7 @@ from tool_data_pool import (
     OPENERS_HELDOUT,
     OPENERS_TRAIN,
     PLAIN_CHATS,
+    PLAIN_QUESTION_CHATS_TRAIN,
     QUESTIONS_TRAIN,
     TWO_TASK_JOINERS_TRAIN,
     WRAPPERS_HELDOUT,
@@ -507,6 +508,36 @@ def test_history_puts_whole_earlier_exchanges_before_the_request_with_ids_counte
                                                              "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "functions.f:0", "content": "1"})]
     assert [m.get("tool_call_id") for m in normalize_tool_call_ids(twice)] == [None, "functions.f:0", None, "functions.f:1"]
+
+
+def test_question_chats_are_training_small_talk_opening_as_tool_questions_do_and_never_calling():
+    """`--question-chats` (off in the recipe): small talk asked the way tool questions are ("What's new?"),
+    answered with no call; none of it is an unseen split's chat, opener or closer, and the unseen splits refuse it."""
+    assert RECIPE.question_chats is False
+    with pytest.raises(ValueError):
+        generate(1, 2, "heldout", question_chats=True)
+    asks = {ask for chats, *_ in PLAIN_QUESTION_CHATS_TRAIN for ask in chats}
+    unseen = set()
+    for split in ("heldout", "fresh"):
+        style = phrasing(split)
+        unseen |= {ask.lower() for chats, *_ in style.plain for ask in chats}
+        unseen |= {w.strip().lower() for w in style.openers + style.closers} - {""}
+    assert not {a.lower() for a in asks} & unseen
+    assert not asks & {ask for chats, *_ in PLAIN_CHATS for ask in chats}
+    question_openings = {q.split()[0].lower() for questions in QUESTIONS_TRAIN.values() for q in questions}
+    assert all({w.lower() for w in ask.split()[:2]} & question_openings for ask in asks)
+
+    def question_rows(rows):
+        return [r for r in rows if r["messages"][r["eval_turn"] - 1]["content"] in asks]
+
+    assert not question_rows(generate(0, 400))
+    rows = question_rows(generate(0, 400, question_chats=True))
+    assert len(rows) >= 4 and any(r["tools"] for r in rows)
+    for row in rows:
+        turn = row["messages"][row["eval_turn"]]
+        assert row["expect"]["kind"] == "text" and not turn.get("tool_calls")
+        assert turn["content"] == row["expect"]["content"]
+        assert "needs no tool" in turn.get("reasoning_content", "") or not row["thinking"]
 
 
 def test_joiner_probe_requests_hold_both_tasks_around_the_joiner_and_declare_their_two_tools():
