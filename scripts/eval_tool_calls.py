@@ -30,6 +30,8 @@ long_plain_stop_rate.
 `--joiners N` also sends N bare two-task requests for each of JOINER_PROBE's joiners (training's, the held-out
 one, and unseen ones, two bare sentences among them) and reports joiner_probe: the share with both calls, per
 joiner.
+`--chats` also sends PLAIN_CHATS_PROBE's 40 plain chats that no split holds, each with 1 to 4 tools declared,
+and reports chat_probe_stop_rate (text ending in `stop`) and the chats missed.
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gen_tool_data import generate, two_task_requests
+from gen_tool_data import generate, probe_chats, two_task_requests
 
 
 def score(client: Any, model: str, rows: list[dict[str, Any]], thinking: bool | None = None,
-          text_max_tokens: int = 64) -> dict[str, Any]:
+          text_max_tokens: int = 64, max_failures: int = 10) -> dict[str, Any]:
     tool_rows = [r for r in rows if r["expect"]["kind"] == "tool_calls"]
     plain_rows = [r for r in rows if r["expect"]["kind"] == "text"]
     right_tool = exact = plain_stop = plain_exact = 0
@@ -76,7 +78,7 @@ def score(client: Any, model: str, rows: list[dict[str, Any]], thinking: bool | 
                     args_ok = False
             exact += args_ok
             ok = args_ok
-        if not ok and len(failures) < 10:
+        if not ok and len(failures) < max_failures:
             failures.append({"prompt": prompt[-1]["content"], "expect": row["expect"],
                              "got": {"finish_reason": choice.finish_reason, "content": choice.message.content,
                                      "reasoning": getattr(choice.message, "reasoning_content", None),
@@ -171,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also send this many held-out conversations after long histories (about 900 to 3,000 tokens)")
     p.add_argument("--joiners", type=int, default=0,
                    help="also send this many bare two-task requests for each of JOINER_PROBE's joiners")
+    p.add_argument("--chats", action="store_true", help="also send PLAIN_CHATS_PROBE's unseen plain chats")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
 
@@ -210,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.joiners:
             result["joiner_probe"] = {j: score(client, model, two_task_requests(args.seed, args.joiners, j),
                                                thinking)["tool_call_rate"] for j in JOINER_PROBE}
+        if args.chats:
+            chats = score(client, model, probe_chats(args.seed), thinking, max_failures=len(probe_chats(args.seed)))
+            result["chat_probe_stop_rate"] = chats["plain_stop_rate"]
+            result["chat_probe_misses"] = [f["prompt"] for f in chats["failures"]]
         if args.loops:
             result["loop_probe"] = f"{loop_probe(client, model)} of {len(LOOP_PROBE)} at the cap"
     finally:

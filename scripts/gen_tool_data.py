@@ -29,9 +29,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tool_data_pool import (ECHO_WRAPPERS_TRAIN, PLAIN_QUESTION_CHATS_TRAIN, SYSTEM_PROMPTS, Phrasing, Tool,
-                            add_link_tail, add_noise, add_tail, build_tools, echo_vocabulary, link_joiner, link_words,
-                            noise_vocabulary, phrasing, tail_words)
+from tool_data_pool import (ECHO_WRAPPERS_TRAIN, PLAIN_CHATS_PROBE, PLAIN_QUESTION_CHATS_TRAIN, SYSTEM_PROMPTS,
+                            Phrasing, Tool, add_link_tail, add_noise, add_tail, build_tools, echo_vocabulary,
+                            link_joiner, link_words, noise_vocabulary, phrasing, tail_words)
 
 from kserve.chat import normalize_tool_call_ids, render_prompt
 
@@ -200,6 +200,17 @@ def add_history(rng: random.Random, pool: list[Tool], style: Phrasing, convo: di
     tools = list(declared.values()) + [t for name, t in used.items() if name not in declared]
     rng.shuffle(tools)
     return {**convo, "messages": messages, "tools": tools, "eval_turn": convo["eval_turn"] + len(history)}
+
+
+def probe_chats(seed: int) -> list[dict[str, Any]]:
+    """PLAIN_CHATS_PROBE's unseen plain chats, each alone with 1 to 4 tools declared: a probe of how often
+    small talk no split holds is read as a request. Rows are `generate`'s shape; no answer is expected
+    word for word (`content` None)."""
+    rng = random.Random(f"chats:{seed}")
+    pool = build_tools()
+    return [{"messages": [{"role": "user", "content": chat}], "eval_turn": 1,
+             "tools": [t.schema() for t in rng.sample(pool, rng.randint(1, 4))],
+             "expect": {"kind": "text", "content": None}} for chat in PLAIN_CHATS_PROBE]
 
 
 def two_task_requests(seed: int, count: int, joiner: str) -> list[dict[str, Any]]:

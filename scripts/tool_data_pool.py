@@ -595,6 +595,18 @@ PLAIN_CHATS_FRESH = (
     (("See ya!",), "Goodbye! Have a nice day.", "says goodbye"),
 )
 
+# Unseen plain chats for a probe (`eval_tool_calls.py --chats`), in no pool above: the held-out splits hold
+# five chats each, so one misread phrasing moves their plain `stop` by a quarter.
+PLAIN_CHATS_PROBE = (
+    "Hey, long time no see!", "Later, gator.", "Catch you later!", "Sup, bot?", "What a day it's been.",
+    "Top of the morning!", "You rock, thanks.", "Cheers, mate.", "Talk soon!", "How goes it?",
+    "Lovely weather we're having.", "I'm back!", "Anybody home?", "Thanks a million.", "Take care!",
+    "Ahoy there!", "Good to hear from you.", "Peace out.", "That's great, thank you.", "Welcome back, me!",
+    "What's the story, friend?", "How are you today?", "Hey, what are you doing?", "Is anyone listening?",
+    "Ok bye.", "Nice chatting with you.", "Hmm, interesting.", "Wow, thanks!", "Have a good one.",
+    "I owe you one.", "Hello, world!", "Salut !", "Guten Tag!", "Thanks for everything.", "Aloha!",
+    "What's cracking?", "How's tricks?", "Morning, sunshine!", "So long!", "Much love, thanks.",
+)
 
 # The pools a request's values come from (for the echo and noise vocabularies).
 VALUE_POOLS = CITIES + NAMES + TOPICS + WORDS + LANGS + SYMBOLS + FOODS + TEAMS + SONGS + COLORS + MONTHS

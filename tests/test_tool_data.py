@@ -540,6 +540,36 @@ def test_question_chats_are_training_small_talk_opening_as_tool_questions_do_and
         assert "needs no tool" in turn.get("reasoning_content", "") or not row["thinking"]
 
 
+def test_chat_probe_holds_plain_chats_no_split_or_noise_has_each_with_tools_declared():
+    """`eval_tool_calls.py --chats`: 40 plain chats found in no training, `heldout` or `fresh` phrasing (chats,
+    openers, closers, wrappers, questions), each alone with 1 to 4 tools declared and no call expected."""
+    import tool_data_pool as pool
+    from gen_tool_data import probe_chats
+
+    said = set()
+
+    def walk(value):
+        if isinstance(value, str):
+            said.add(value.strip().lower())
+        elif isinstance(value, (tuple, list, dict)):
+            for item in value.values() if isinstance(value, dict) else value:
+                walk(item)
+
+    for name in dir(pool):
+        if name.isupper() and name != "PLAIN_CHATS_PROBE":
+            walk(getattr(pool, name))
+    rows = probe_chats(1)
+    assert len(rows) == len(set(pool.PLAIN_CHATS_PROBE)) == 40
+    assert not {c.lower() for c in pool.PLAIN_CHATS_PROBE} & said
+    train_users = {m["content"] for r in generate(0, 2000, question_chats=True) for m in r["messages"]
+                   if m["role"] == "user"}
+    assert not set(pool.PLAIN_CHATS_PROBE) & train_users
+    for row in rows:
+        assert [m["role"] for m in row["messages"]] == ["user"] and row["eval_turn"] == 1
+        assert 1 <= len(row["tools"]) <= 4 and row["expect"]["kind"] == "text"
+    assert probe_chats(1) == rows and probe_chats(2) != rows
+
+
 def test_joiner_probe_requests_hold_both_tasks_around_the_joiner_and_declare_their_two_tools():
     """`eval_tool_calls.py --joiners`: each bare request is the first task, the joiner's words, the second task,
     and expects the two calls in that order with only their two tools declared."""
