@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             result["joiner_probe"] = {j: score(client, model, two_task_requests(args.seed, args.joiners, j),
                                                thinking)["tool_call_rate"] for j in JOINER_PROBE}
         if args.chats:
-            chats = score(client, model, probe_chats(args.seed), thinking, max_failures=len(probe_chats(args.seed)))
+            chat_rows = probe_chats(args.seed)
+            chats = score(client, model, chat_rows, thinking, max_failures=len(chat_rows))
             result["chat_probe_stop_rate"] = chats["plain_stop_rate"]
             result["chat_probe_misses"] = [f["prompt"] for f in chats["failures"]]
         if args.loops:
