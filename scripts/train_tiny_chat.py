@@ -328,7 +328,8 @@ def train(args: argparse.Namespace) -> Path:
     convos = generate(args.seed, args.conversations, "train", echo_share=args.echo_share,
                       noise_share=args.noise_share, tail_share=args.tail_share, history_share=args.history_share,
                       link_share=args.link_share, link_tail_share=args.link_tail_share,
-                      link_inline=args.link_inline, question_chats=args.question_chats)
+                      link_inline=args.link_inline, question_chats=args.question_chats,
+                      plain_share=args.plain_share)
     ranks = learn_corpus_ranks(convos[: args.bpe_conversations], args.vocab)
     # make-tiny writes the tokenizer files, config and vision tower; the text weights are then replaced
     write_tiny_checkpoint(out, seed=args.seed, variant="k25", config_overrides=TEXT_OVERRIDES, ranks=ranks)
@@ -491,6 +492,9 @@ def parser() -> argparse.ArgumentParser:
                    help="link words only inside a sentence, never after a full stop (docs/embedded_model.md)")
     p.add_argument("--question-chats", action="store_true",
                    help="plain chats include small talk asked as tool questions are, \"What's new?\" "
+                        "(docs/embedded_model.md)")
+    p.add_argument("--plain-share", type=float, default=0.3,
+                   help="share of the conversations that are plain chats, the rest tool requests "
                         "(docs/embedded_model.md)")
     p.add_argument("--history-share", type=float, default=0.0,
                    help="share of conversations after a long history of earlier exchanges; give --max-len 3072 "
