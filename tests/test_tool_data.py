@@ -255,7 +255,7 @@ def test_the_embedded_models_tokenizer_is_learned_from_these_conversations():
     from kserve.tiny import embedded_model_dir, tiktoken_model_text
 
     convos = generate(RECIPE.seed, RECIPE.bpe_conversations, echo_share=RECIPE.echo_share,
-                      noise_share=RECIPE.noise_share)
+                      noise_share=RECIPE.noise_share, plain_share=RECIPE.plain_share)
     ranks = learn_corpus_ranks(convos, RECIPE.vocab)
     assert (embedded_model_dir() / "tiktoken.model").read_text() == tiktoken_model_text(ranks)
 
