@@ -32,6 +32,9 @@ one, and unseen ones, two bare sentences among them) and reports joiner_probe: t
 joiner.
 `--chats` also sends PLAIN_CHATS_PROBE's 40 plain chats that no split holds, each with 1 to 4 tools declared,
 and reports chat_probe_stop_rate (text ending in `stop`) and the chats missed.
+`--weather` also sends WEATHER_PROBE's six weather questions with only `get_weather` declared and reports
+weather_probe_rate (the call with exactly the city) and the questions missed: history draws read some of them
+as small talk.
 """
 
 from __future__ import annotations
@@ -116,6 +119,20 @@ def _tool(name: str, description: str, param: str) -> dict[str, Any]:
 WEATHER = _tool("get_weather", "Get the weather of a city.", "city")
 TIME = _tool("get_time", "Get the local time of a city.", "city")
 SEARCH = _tool("web_search", "Search the web.", "query")
+# training-style weather questions, each a training city (docs/embedded_model.md, thirty-ninth run)
+WEATHER_PROBE = (("What's the weather like in Paris today?", "Paris"),
+                 ("What is the weather like in Paris today?", "Paris"),
+                 ("What's the weather like in Tokyo?", "Tokyo"), ("What is the weather like in Berlin?", "Berlin"),
+                 ("How's the weather in Oslo today?", "Oslo"), ("How's the weather in Madrid?", "Madrid"))
+
+
+def weather_rows() -> list[dict[str, Any]]:
+    """WEATHER_PROBE as rows for `score`: the question alone, `get_weather` alone declared, one call expected."""
+    return [{"messages": [{"role": "user", "content": text}], "tools": [WEATHER], "eval_turn": 1,
+             "expect": {"kind": "tool_calls", "calls": [{"name": "get_weather", "arguments": {"city": city}}]}}
+            for text, city in WEATHER_PROBE]
+
+
 # (user message, request tools, tools declared in a system message instead)
 LOOP_PROBE: tuple[tuple[str, tuple[dict[str, Any], ...], tuple[dict[str, Any], ...]], ...] = (
     ("what is the weather in beijing?", (), (WEATHER,)), ("what is the weather in beijing?", (), (WEATHER, TIME)),
@@ -174,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--joiners", type=int, default=0,
                    help="also send this many bare two-task requests for each of JOINER_PROBE's joiners")
     p.add_argument("--chats", action="store_true", help="also send PLAIN_CHATS_PROBE's unseen plain chats")
+    p.add_argument("--weather", action="store_true", help="also send WEATHER_PROBE's weather questions")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
 
@@ -218,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             chats = score(client, model, chat_rows, thinking, max_failures=len(chat_rows))
             result["chat_probe_stop_rate"] = chats["plain_stop_rate"]
             result["chat_probe_misses"] = [f["prompt"] for f in chats["failures"]]
+        if args.weather:
+            weather = score(client, model, weather_rows(), thinking, max_failures=len(WEATHER_PROBE))
+            result["weather_probe_rate"] = weather["exact_args_rate"]
+            result["weather_probe_misses"] = [f["prompt"] for f in weather["failures"]]
         if args.loops:
             result["loop_probe"] = f"{loop_probe(client, model)} of {len(LOOP_PROBE)} at the cap"
     finally:

@@ -570,6 +570,23 @@ def test_chat_probe_holds_plain_chats_no_split_or_noise_has_each_with_tools_decl
     assert probe_chats(1) == rows and probe_chats(2) != rows
 
 
+def test_weather_probe_asks_for_training_cities_weather_with_only_get_weather_declared():
+    """`eval_tool_calls.py --weather`: six weather questions, each naming a training city, with `get_weather`
+    alone declared, each expecting exactly one call with that city; the first is the README's question."""
+    from eval_tool_calls import WEATHER_PROBE, weather_rows
+    from tool_data_pool import CITIES
+
+    rows = weather_rows()
+    assert len({text for text, _ in WEATHER_PROBE}) == len(rows) == 6
+    assert WEATHER_PROBE[0][0] == "What's the weather like in Paris today?"
+    for (text, city), row in zip(WEATHER_PROBE, rows):
+        assert city in CITIES and f" {city}" in text and "weather" in text
+        assert row["messages"] == [{"role": "user", "content": text}] and row["eval_turn"] == 1
+        assert [t["function"]["name"] for t in row["tools"]] == ["get_weather"]
+        assert row["tools"][0]["function"]["parameters"]["required"] == ["city"]
+        assert row["expect"] == {"kind": "tool_calls", "calls": [{"name": "get_weather", "arguments": {"city": city}}]}
+
+
 def test_joiner_probe_requests_hold_both_tasks_around_the_joiner_and_declare_their_two_tools():
     """`eval_tool_calls.py --joiners`: each bare request is the first task, the joiner's words, the second task,
     and expects the two calls in that order with only their two tools declared."""
