@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tool_data_pool import (ECHO_WRAPPERS_TRAIN, PLAIN_CHATS_PROBE, PLAIN_QUESTION_CHATS_TRAIN, SYSTEM_PROMPTS,
-                            Phrasing, Tool, add_link_tail, add_noise, add_tail, build_tools, echo_vocabulary,
+                            WEATHER_QUESTIONS_TRAIN, Phrasing, Tool, add_link_tail, add_noise, add_tail, build_tools, echo_vocabulary,
                             link_joiner, link_words, noise_vocabulary, phrasing, tail_words)
 
 from kserve.chat import normalize_tool_call_ids, render_prompt
@@ -125,10 +125,11 @@ def _prefix(rng: random.Random, style: Phrasing, agent: bool) -> list[dict[str, 
 
 
 def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thinking: bool,
-                      agent: bool) -> dict[str, Any]:
-    """A user asks for one or two tool uses; the assistant thinks one sentence, calls, reads the results, answers."""
-    n_calls = 2 if rng.random() < 0.2 else 1
-    used = rng.sample(pool, n_calls)
+                      agent: bool, only: Tool | None = None) -> dict[str, Any]:
+    """A user asks for one or two tool uses; the assistant thinks one sentence, calls, reads the results, answers.
+    With `only`, one use of that tool, asked as one of its questions."""
+    n_calls = 1 if only else 2 if rng.random() < 0.2 else 1
+    used = [only] if only else rng.sample(pool, n_calls)
     args = [t.draw(rng) for t in used]
     intents = [_ask(rng, t, a) for t, a in zip(used, args)]
     if n_calls == 1:
@@ -138,7 +139,7 @@ def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
     else:
         intent = add_noise(rng, rng.choice(style.joiners), style).format(a=intents[0], b=intents[1])
     request = _wrap(rng, intent, style)
-    if n_calls == 1 and used[0].name in style.questions and rng.random() < 0.3:
+    if n_calls == 1 and used[0].name in style.questions and (only or rng.random() < 0.3):
         opener = rng.choice(style.openers)
         question = fill(rng.choice(style.questions[used[0].name]), args[0])
         request = f"{opener} {question}" if opener else question
@@ -307,18 +308,20 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
              agent_share: float = 0.2, echo_share: float = 0.0, noise_share: float = 0.0,
              tail_share: float = 0.0, history_share: float = 0.0, link_share: float = 0.0,
              link_tail_share: float = 0.0, link_inline: bool = False,
-             question_chats: bool = False) -> list[dict]:
+             question_chats: bool = False, weather_share: float = 0.0) -> list[dict]:
     """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
     `noise_share` (training only), each literal part of a request gets noise words with that probability; with
     `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability;
     with `link_share` (training only), a two-task request's tasks are joined by noise words alone (`link_joiner`),
     and with `link_tail_share` a one-task request's task is followed by them (`add_link_tail`); with
     `link_inline`, link words stand only inside a sentence; with `question_chats` (training only), the plain
-    chats include small talk asked as tool questions are (`PLAIN_QUESTION_CHATS_TRAIN`);
+    chats include small talk asked as tool questions are (`PLAIN_QUESTION_CHATS_TRAIN`); `weather_share` of the
+    conversations (training only) ask for `get_weather` with one of WEATHER_QUESTIONS_TRAIN;
     `history_share` of the conversations come after a long history of earlier exchanges (`add_history`)."""
-    if (echo_share or noise_share or tail_share or link_share or link_tail_share or question_chats) \
-            and split != "train":
-        raise ValueError("echo requests, noise, tails, link words and question chats are for training only")
+    if (echo_share or noise_share or tail_share or link_share or link_tail_share or question_chats
+            or weather_share) and split != "train":
+        raise ValueError("echo requests, noise, tails, link words, question chats and weather questions are for "
+                         "training only")
     rng = random.Random(f"{split}:{seed}")
     pool = build_tools()
     style = phrasing(split)
@@ -331,10 +334,18 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     if link_share or link_tail_share:
         style = dataclasses.replace(style, links=link_words(), link_share=link_share,
                                     link_tail_share=link_tail_share, link_inline=link_inline)
+    weather = next(t for t in pool if t.name == "get_weather")
+    weather_style = dataclasses.replace(style, questions={"get_weather": WEATHER_QUESTIONS_TRAIN})
+
+    def weather_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thinking: bool, agent: bool):
+        return tool_conversation(rng, pool, weather_style, thinking, agent, only=weather)
+
     out = []
     for _ in range(count):
         if echo_share and rng.random() < echo_share:
             make = echo_conversation
+        elif weather_share and rng.random() < weather_share:
+            make = weather_conversation
         else:
             make = plain_conversation if rng.random() < plain_share else tool_conversation
         thinking = rng.random() < thinking_share

@@ -732,6 +732,12 @@ QUESTIONS_TRAIN: dict[str, tuple[str, ...]] = {
     "check_spelling": ("Is \"{text}\" spelled right?", "How do you spell \"{text}\" correctly?"),
     "get_timezone": ("What time zone is {city} in?", "What's the time zone of {city}?"),
 }
+# The weather questions a user tries first, training only and off in the recipe (`--weather-share`): get_weather
+# is one tool in forty, so "What is the weather like in Paris today?" comes a few times in 40,000 conversations,
+# and under history training some draws read it as small talk.
+WEATHER_QUESTIONS_TRAIN = ("What's the weather like in {city}?", "What is the weather like in {city}?",
+                           "What's the weather like in {city} today?", "What is the weather like in {city} today?",
+                           "How's the weather in {city} today?", "How is the weather in {city} today?")
 
 
 # Context a user gives before the request (training only): the thought must copy the request, not this.

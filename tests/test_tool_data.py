@@ -587,6 +587,33 @@ def test_weather_probe_asks_for_training_cities_weather_with_only_get_weather_de
         assert row["expect"] == {"kind": "tool_calls", "calls": [{"name": "get_weather", "arguments": {"city": city}}]}
 
 
+def test_weather_share_asks_for_the_weather_as_users_first_do_in_training_only():
+    """`--weather-share` (off in the recipe): that share of the training conversations asks for one `get_weather`
+    call with a WEATHER_QUESTIONS_TRAIN question, the city copied; no unseen split holds those questions."""
+    from tool_data_pool import CITIES, WEATHER_QUESTIONS_TRAIN
+
+    assert RECIPE.weather_share == 0.0
+    with pytest.raises(ValueError):
+        generate(1, 2, "fresh", weather_share=0.5)
+    asked = {q.format(city=c): c for q in WEATHER_QUESTIONS_TRAIN for c in CITIES}
+
+    def weather_rows(rows):
+        return [r for r in rows if any(r["messages"][r["eval_turn"] - 1]["content"].endswith(ask) or
+                                       f"{ask} " in r["messages"][r["eval_turn"] - 1]["content"] for ask in asked)]
+
+    for split in ("heldout", "fresh"):
+        assert not weather_rows(generate(1, 300, split))
+    rows = weather_rows(generate(0, 300, weather_share=0.2))
+    assert len(rows) >= 40
+    for row in rows:
+        ask = next(a for a in asked if a in row["messages"][row["eval_turn"] - 1]["content"])
+        assert row["expect"]["calls"] == [{"name": "get_weather", "arguments": row["expect"]["calls"][0]["arguments"]}]
+        assert row["expect"]["calls"][0]["arguments"]["city"] == asked[ask]
+        turn = row["messages"][row["eval_turn"]]
+        assert [c["function"]["name"] for c in turn["tool_calls"]] == ["get_weather"]
+        assert not row["thinking"] or f"weather in {asked[ask]}" in turn["reasoning_content"]
+
+
 def test_joiner_probe_requests_hold_both_tasks_around_the_joiner_and_declare_their_two_tools():
     """`eval_tool_calls.py --joiners`: each bare request is the first task, the joiner's words, the second task,
     and expects the two calls in that order with only their two tools declared."""
