@@ -145,6 +145,8 @@ def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
         request = f"{opener} {question}" if opener else question
         intents = [fill(used[0].intents[0], args[0])]  # the thought restates it as a task
     closer = rng.choice(style.closers)
+    if style.thanks_share and rng.random() < style.thanks_share:
+        closer = " " + rng.choice(style.thanks)  # alone it gets "You're welcome!"; after a request, the call
     closer = " " + add_noise(rng, closer.lstrip(), style) if closer else closer
     user = request + "".join(_mention_optional(t, a) for t, a in zip(used, args)) + closer
     if style.context and rng.random() < 0.3:
@@ -308,7 +310,8 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
              agent_share: float = 0.2, echo_share: float = 0.0, noise_share: float = 0.0,
              tail_share: float = 0.0, history_share: float = 0.0, link_share: float = 0.0,
              link_tail_share: float = 0.0, link_inline: bool = False,
-             question_chats: bool = False, weather_share: float = 0.0) -> list[dict]:
+             question_chats: bool = False, weather_share: float = 0.0,
+             thanks_closer_share: float = 0.0) -> list[dict]:
     """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
     `noise_share` (training only), each literal part of a request gets noise words with that probability; with
     `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability;
@@ -316,12 +319,13 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     and with `link_tail_share` a one-task request's task is followed by them (`add_link_tail`); with
     `link_inline`, link words stand only inside a sentence; with `question_chats` (training only), the plain
     chats include small talk asked as tool questions are (`PLAIN_QUESTION_CHATS_TRAIN`); `weather_share` of the
-    conversations (training only) ask for `get_weather` with one of WEATHER_QUESTIONS_TRAIN;
+    conversations (training only) ask for `get_weather` with one of WEATHER_QUESTIONS_TRAIN; with
+    `thanks_closer_share` (training only), a tool request's closer is a plain chat that thanks ("Appreciate it.");
     `history_share` of the conversations come after a long history of earlier exchanges (`add_history`)."""
     if (echo_share or noise_share or tail_share or link_share or link_tail_share or question_chats
-            or weather_share) and split != "train":
-        raise ValueError("echo requests, noise, tails, link words, question chats and weather questions are for "
-                         "training only")
+            or weather_share or thanks_closer_share) and split != "train":
+        raise ValueError("echo requests, noise, tails, link words, question chats, weather questions and thanks "
+                         "closers are for training only")
     rng = random.Random(f"{split}:{seed}")
     pool = build_tools()
     style = phrasing(split)
@@ -334,6 +338,9 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     if link_share or link_tail_share:
         style = dataclasses.replace(style, links=link_words(), link_share=link_share,
                                     link_tail_share=link_tail_share, link_inline=link_inline)
+    if thanks_closer_share:
+        thanks = tuple(ask for asks, _, topic in style.plain if topic == "thanks me" for ask in asks)
+        style = dataclasses.replace(style, thanks=thanks, thanks_share=thanks_closer_share)
     weather = next(t for t in pool if t.name == "get_weather")
     weather_style = dataclasses.replace(style, questions={"get_weather": WEATHER_QUESTIONS_TRAIN})
 

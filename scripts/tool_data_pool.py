@@ -648,6 +648,8 @@ class Phrasing:
     link_share: float = 0.0  # chance that a two-task request is joined by them instead of a joiner
     link_tail_share: float = 0.0  # chance that a one-task request's task is followed by them (training only)
     link_inline: bool = False  # link words only inside a sentence: a new sentence after a task still ends it
+    thanks: tuple[str, ...] = ()  # the plain chats that thank, as closers after a request (training only)
+    thanks_share: float = 0.0  # chance that a request's closer is one of them
 
 
 def phrasing(split: str) -> Phrasing:

@@ -329,7 +329,7 @@ def train(args: argparse.Namespace) -> Path:
                       noise_share=args.noise_share, tail_share=args.tail_share, history_share=args.history_share,
                       link_share=args.link_share, link_tail_share=args.link_tail_share,
                       link_inline=args.link_inline, question_chats=args.question_chats,
-                      weather_share=args.weather_share,
+                      weather_share=args.weather_share, thanks_closer_share=args.thanks_closer_share,
                       plain_share=args.plain_share)
     ranks = learn_corpus_ranks(convos[: args.bpe_conversations], args.vocab)
     # make-tiny writes the tokenizer files, config and vision tower; the text weights are then replaced
@@ -497,6 +497,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--weather-share", type=float, default=0.0,
                    help="share of the conversations asking for get_weather as \"What is the weather like in "
                         "{city} today?\" and its kin (docs/embedded_model.md)")
+    p.add_argument("--thanks-closer-share", type=float, default=0.0,
+                   help="chance that a training request ends in a plain chat that thanks, \"Appreciate it.\" "
+                        "(docs/embedded_model.md)")
     p.add_argument("--plain-share", type=float, default=0.3,
                    help="share of the conversations that are plain chats, the rest tool requests "
                         "(docs/embedded_model.md)")

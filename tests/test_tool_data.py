@@ -614,6 +614,33 @@ def test_weather_share_asks_for_the_weather_as_users_first_do_in_training_only()
         assert not row["thinking"] or f"weather in {asked[ask]}" in turn["reasoning_content"]
 
 
+def test_thanks_closers_end_training_requests_with_the_chats_that_thank_and_still_call():
+    """`--thanks-closer-share` (off in the recipe): a training request may end in a plain chat that thanks
+    ("Appreciate it."), which alone gets "You're welcome!"; the request still gets its calls. The chats are
+    training's own, none an unseen split's closer or chat."""
+    assert RECIPE.thanks_closer_share == 0.0
+    with pytest.raises(ValueError):
+        generate(1, 2, "heldout", thanks_closer_share=0.5)
+    thanks = {ask for asks, _, topic in PLAIN_CHATS if topic == "thanks me" for ask in asks}
+    assert len(thanks) >= 10
+    for split in ("heldout", "fresh"):
+        style = phrasing(split)
+        assert not {c.strip() for c in style.closers} & thanks
+        assert not {ask for asks, *_ in style.plain for ask in asks} & thanks
+    closers = {c.strip() for c in phrasing("train").closers}
+
+    def thanked(rows):
+        return [r for r in rows if r["expect"]["kind"] == "tool_calls" and any(
+            r["messages"][r["eval_turn"] - 1]["content"].endswith(" " + t) for t in thanks - closers)]
+
+    assert not thanked(generate(0, 300))
+    rows = thanked(generate(0, 300, thanks_closer_share=0.5))
+    assert len(rows) >= 40
+    for row in rows:
+        turn = row["messages"][row["eval_turn"]]
+        assert [c["function"]["name"] for c in turn["tool_calls"]] == [c["name"] for c in row["expect"]["calls"]]
+
+
 def test_joiner_probe_requests_hold_both_tasks_around_the_joiner_and_declare_their_two_tools():
     """`eval_tool_calls.py --joiners`: each bare request is the first task, the joiner's words, the second task,
     and expects the two calls in that order with only their two tools declared."""
