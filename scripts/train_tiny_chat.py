@@ -466,6 +466,23 @@ def _plot(log: list[dict[str, float]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# The training data's shares: (flag, the recipe's value, what it is)
+TRAINING_DATA_SHARES = (
+    ("--echo-share", 0.0, "share of conversations asking to repeat random words, a copying probe"),
+    ("--noise-share", 0.15, "chance that each literal part of a training request gets noise words"),
+    ("--tail-share", 0.0, "chance that a one-task training request ends in a joiner word"),
+    ("--link-share", 0.0, "chance that a two-task training request's tasks are joined by noise words alone"),
+    ("--link-tail-share", 0.0, "chance that a one-task training request's task is followed by noise words alone"),
+    ("--weather-share", 0.0, "share of the conversations asking for get_weather as \"What is the weather like in "
+                             "{city} today?\" and its kin"),
+    ("--thanks-closer-share", 0.0, "chance that a training request ends in a plain chat that thanks, "
+                                   "\"Appreciate it.\""),
+    ("--plain-share", 0.3, "share of the conversations that are plain chats, the rest tool requests"),
+    ("--history-share", 0.0, "share of conversations after a long history of earlier exchanges; give --max-len "
+                             "3072 with it"),
+)
+
+
 def parser() -> argparse.ArgumentParser:
     """The recipe's arguments; their defaults are the embedded model's."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -477,35 +494,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=1024, help="longer conversations are cut")
     p.add_argument("--vocab", type=int, default=4096, help="BPE tokens learned from the conversations")
     p.add_argument("--bpe-conversations", type=int, default=3000)
-    p.add_argument("--echo-share", type=float, default=0.0,
-                   help="share of conversations asking to repeat random words, a copying probe (docs/embedded_model.md)")
-    p.add_argument("--noise-share", type=float, default=0.15,
-                   help="chance that each literal part of a training request gets noise words (docs/embedded_model.md)")
-    p.add_argument("--tail-share", type=float, default=0.0,
-                   help="chance that a one-task training request ends in a joiner word (docs/embedded_model.md)")
-    p.add_argument("--link-share", type=float, default=0.0,
-                   help="chance that a two-task training request's tasks are joined by noise words alone "
-                        "(docs/embedded_model.md)")
-    p.add_argument("--link-tail-share", type=float, default=0.0,
-                   help="chance that a one-task training request's task is followed by noise words alone "
-                        "(docs/embedded_model.md)")
+    for flag, default, what in TRAINING_DATA_SHARES:
+        p.add_argument(flag, type=float, default=default, help=f"{what} (docs/embedded_model.md)")
     p.add_argument("--link-inline", action="store_true",
                    help="link words only inside a sentence, never after a full stop (docs/embedded_model.md)")
     p.add_argument("--question-chats", action="store_true",
                    help="plain chats include small talk asked as tool questions are, \"What's new?\" "
                         "(docs/embedded_model.md)")
-    p.add_argument("--weather-share", type=float, default=0.0,
-                   help="share of the conversations asking for get_weather as \"What is the weather like in "
-                        "{city} today?\" and its kin (docs/embedded_model.md)")
-    p.add_argument("--thanks-closer-share", type=float, default=0.0,
-                   help="chance that a training request ends in a plain chat that thanks, \"Appreciate it.\" "
-                        "(docs/embedded_model.md)")
-    p.add_argument("--plain-share", type=float, default=0.3,
-                   help="share of the conversations that are plain chats, the rest tool requests "
-                        "(docs/embedded_model.md)")
-    p.add_argument("--history-share", type=float, default=0.0,
-                   help="share of conversations after a long history of earlier exchanges; give --max-len 3072 "
-                        "with it (docs/embedded_model.md)")
     p.add_argument("--context-weight", type=float, default=0.3,
                    help="loss weight of the non-assistant tokens (the assistant's are 1)")
     p.add_argument("--arguments-weight", type=float, default=3.0,
