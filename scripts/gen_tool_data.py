@@ -30,8 +30,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tool_data_pool import (ECHO_WRAPPERS_TRAIN, PLAIN_CHATS_PROBE, PLAIN_QUESTION_CHATS_TRAIN, SYSTEM_PROMPTS,
-                            WEATHER_QUESTIONS_TRAIN, Phrasing, Tool, add_link_tail, add_noise, add_tail, build_tools, echo_vocabulary,
-                            link_joiner, link_words, noise_vocabulary, phrasing, tail_words)
+                            WEATHER_QUESTIONS_TRAIN, Phrasing, Tool, add_link_tail, add_noise, add_tail, build_tools,
+                            echo_vocabulary, link_joiner, link_words, noise_vocabulary, phrasing, tail_words)
 
 from kserve.chat import normalize_tool_call_ids, render_prompt
 
@@ -344,7 +344,8 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     weather = next(t for t in pool if t.name == "get_weather")
     weather_style = dataclasses.replace(style, questions={"get_weather": WEATHER_QUESTIONS_TRAIN})
 
-    def weather_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thinking: bool, agent: bool):
+    def weather_conversation(rng: random.Random, pool: list[Tool], _style: Phrasing, thinking: bool,
+                             agent: bool) -> dict[str, Any]:
         return tool_conversation(rng, pool, weather_style, thinking, agent, only=weather)
 
     out = []

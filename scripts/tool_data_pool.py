@@ -735,7 +735,7 @@ QUESTIONS_TRAIN: dict[str, tuple[str, ...]] = {
     "get_timezone": ("What time zone is {city} in?", "What's the time zone of {city}?"),
 }
 # The weather questions a user tries first, training only and off in the recipe (`--weather-share`): get_weather
-# is one tool in forty, so "What is the weather like in Paris today?" comes a few times in 40,000 conversations,
+# is one tool in 64, so "What is the weather like in Paris today?" comes a few times in 40,000 conversations,
 # and under history training some draws read it as small talk.
 WEATHER_QUESTIONS_TRAIN = ("What's the weather like in {city}?", "What is the weather like in {city}?",
                            "What's the weather like in {city} today?", "What is the weather like in {city} today?",
