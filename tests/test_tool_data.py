@@ -607,7 +607,7 @@ def test_weather_share_asks_for_the_weather_as_users_first_do_in_training_only()
     assert len(rows) >= 40
     for row in rows:
         ask = next(a for a in asked if a in row["messages"][row["eval_turn"] - 1]["content"])
-        assert row["expect"]["calls"] == [{"name": "get_weather", "arguments": row["expect"]["calls"][0]["arguments"]}]
+        assert [call["name"] for call in row["expect"]["calls"]] == ["get_weather"]
         assert row["expect"]["calls"][0]["arguments"]["city"] == asked[ask]
         turn = row["messages"][row["eval_turn"]]
         assert [c["function"]["name"] for c in turn["tool_calls"]] == ["get_weather"]
