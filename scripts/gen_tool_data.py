@@ -311,7 +311,7 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
              tail_share: float = 0.0, history_share: float = 0.0, link_share: float = 0.0,
              link_tail_share: float = 0.0, link_inline: bool = False,
              question_chats: bool = False, weather_share: float = 0.0,
-             thanks_closer_share: float = 0.0) -> list[dict]:
+             thanks_closer_share: float = 0.0, help_me_to: bool = False) -> list[dict]:
     """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
     `noise_share` (training only), each literal part of a request gets noise words with that probability; with
     `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability;
@@ -321,14 +321,18 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     chats include small talk asked as tool questions are (`PLAIN_QUESTION_CHATS_TRAIN`); `weather_share` of the
     conversations (training only) ask for `get_weather` with one of WEATHER_QUESTIONS_TRAIN; with
     `thanks_closer_share` (training only), a tool request's closer is a plain chat that thanks ("Appreciate it.");
+    with `help_me_to` (training only), the wrapper "Help me {intent}." is "Help me to {intent}.";
     `history_share` of the conversations come after a long history of earlier exchanges (`add_history`)."""
     if (echo_share or noise_share or tail_share or link_share or link_tail_share or question_chats
-            or weather_share or thanks_closer_share) and split != "train":
-        raise ValueError("echo requests, noise, tails, link words, question chats, weather questions and thanks "
-                         "closers are for training only")
+            or weather_share or thanks_closer_share or help_me_to) and split != "train":
+        raise ValueError("echo requests, noise, tails, link words, question chats, weather questions, thanks "
+                         "closers and \"Help me to\" are for training only")
     rng = random.Random(f"{split}:{seed}")
     pool = build_tools()
     style = phrasing(split)
+    if help_me_to:  # "Help me" then never opens a task, so the held-out "Help me out and" is one task, not two
+        style = dataclasses.replace(style, wrappers=tuple(
+            "Help me to {intent}." if w == "Help me {intent}." else w for w in style.wrappers))
     if question_chats:
         style = dataclasses.replace(style, plain=style.plain + PLAIN_QUESTION_CHATS_TRAIN)
     if noise_share:

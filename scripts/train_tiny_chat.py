@@ -330,6 +330,7 @@ def train(args: argparse.Namespace) -> Path:
                       link_share=args.link_share, link_tail_share=args.link_tail_share,
                       link_inline=args.link_inline, question_chats=args.question_chats,
                       weather_share=args.weather_share, thanks_closer_share=args.thanks_closer_share,
+                      help_me_to=args.help_me_to,
                       plain_share=args.plain_share)
     ranks = learn_corpus_ranks(convos[: args.bpe_conversations], args.vocab)
     # make-tiny writes the tokenizer files, config and vision tower; the text weights are then replaced
@@ -498,6 +499,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(flag, type=float, default=default, help=f"{what} (docs/embedded_model.md)")
     p.add_argument("--link-inline", action="store_true",
                    help="link words only inside a sentence, never after a full stop (docs/embedded_model.md)")
+    p.add_argument("--help-me-to", action="store_true",
+                   help="the training wrapper \"Help me {intent}.\" becomes \"Help me to {intent}.\" "
+                        "(docs/embedded_model.md)")
     p.add_argument("--question-chats", action="store_true",
                    help="plain chats include small talk asked as tool questions are, \"What's new?\" "
                         "(docs/embedded_model.md)")

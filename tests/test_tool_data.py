@@ -641,6 +641,27 @@ def test_thanks_closers_end_training_requests_with_the_chats_that_thank_and_stil
         assert [c["function"]["name"] for c in turn["tool_calls"]] == [c["name"] for c in row["expect"]["calls"]]
 
 
+def test_help_me_to_keeps_help_me_from_opening_a_task_in_training_only():
+    """`--help-me-to` (off in the recipe): the training wrapper "Help me {intent}." becomes "Help me to
+    {intent}.", so no training request has "Help me" straight before a task, as the held-out "Help me out and"
+    does; the thoughts and calls are the recipe's own."""
+    import re
+
+    assert RECIPE.help_me_to is False
+    with pytest.raises(ValueError):
+        generate(1, 2, "heldout", help_me_to=True)
+
+    def help_me(rows, pattern):
+        return [r for r in rows if re.search(pattern, r["messages"][r["eval_turn"] - 1]["content"] or "")]
+
+    recipe, changed = generate(0, 2000, plain_share=0.0), generate(0, 2000, plain_share=0.0, help_me_to=True)
+    assert help_me(recipe, r"\bHelp me (?!to )") and not help_me(recipe, r"\bHelp me to ")
+    assert not help_me(changed, r"\bHelp me (?!to )")
+    assert len(help_me(changed, r"\bHelp me to ")) == len(help_me(recipe, r"\bHelp me "))
+    for before, after in zip(recipe, changed):
+        assert before["expect"] == after["expect"]
+
+
 def test_joiner_probe_requests_hold_both_tasks_around_the_joiner_and_declare_their_two_tools():
     """`eval_tool_calls.py --joiners`: each bare request is the first task, the joiner's words, the second task,
     and expects the two calls in that order with only their two tools declared."""
