@@ -4,6 +4,7 @@ a reasoning sentence before every answer and call, held-out phrasings never trai
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -356,8 +357,6 @@ def test_answer_rows_send_the_results_as_the_openai_sdk_does_and_expect_the_fina
 def test_noise_words_keep_the_unseen_splits_words_unseen_and_are_training_only():
     """`--noise-share` (0.15 in the recipe): the noise never holds a word of a `heldout` or `fresh` phrasing other
     than a request's first word, nor a value; the unseen splits refuse it; a noisy plain chat carries a noise word."""
-    import re
-
     import tool_data_pool as pool
 
     noise = set(pool.noise_vocabulary())
@@ -380,8 +379,6 @@ def test_noise_words_keep_the_unseen_splits_words_unseen_and_are_training_only()
 def test_tail_words_are_training_joiner_words_only_and_never_reach_the_thought():
     """`--tail-share` (off in the recipe): a one-task request may end in a training joiner's word that is no word
     of an unseen split's phrasing; the unseen splits refuse it, and the thought restates the task without it."""
-    import re
-
     import tool_data_pool as pool
 
     tail = set(pool.tail_words())
@@ -424,8 +421,6 @@ def test_link_words_alone_join_two_tasks_and_share_no_word_with_an_unseen_split_
     words alone. No link word is a request's verb, a training joiner's word or a word of an unseen split's
     phrasing; the unseen splits refuse it; the thought still restates both tasks. With `--link-inline` no full
     stop stands between the tasks."""
-    import re
-
     import tool_data_pool as pool
 
     links = set(pool.link_words())
@@ -452,8 +447,6 @@ def test_link_words_alone_join_two_tasks_and_share_no_word_with_an_unseen_split_
 def test_link_tails_follow_one_task_with_link_words_and_no_second_call():
     """`--link-tail-share` (off in the recipe): a one-task request's task may be followed by a separator and
     link words with no second task; the unseen splits refuse it, and the thought and the call stay one task."""
-    import re
-
     import tool_data_pool as pool
 
     links = set(pool.link_words())
@@ -645,8 +638,6 @@ def test_help_me_to_keeps_help_me_from_opening_a_task_in_training_only():
     """`--help-me-to` (off in the recipe): the training wrapper "Help me {intent}." becomes "Help me to
     {intent}.", so no training request has "Help me" straight before a task, as the held-out "Help me out and"
     does; the thoughts and calls are the recipe's own."""
-    import re
-
     assert RECIPE.help_me_to is False
     with pytest.raises(ValueError):
         generate(1, 2, "heldout", help_me_to=True)
@@ -660,6 +651,7 @@ def test_help_me_to_keeps_help_me_from_opening_a_task_in_training_only():
     assert len(help_me(changed, r"\bHelp me to ")) == len(help_me(recipe, r"\bHelp me "))
     for before, after in zip(recipe, changed):
         assert before["expect"] == after["expect"]
+        assert before["messages"][before["eval_turn"]] == after["messages"][after["eval_turn"]]
 
 
 def test_joiner_probe_requests_hold_both_tasks_around_the_joiner_and_declare_their_two_tools():
