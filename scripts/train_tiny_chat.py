@@ -325,13 +325,7 @@ def train(args: argparse.Namespace) -> Path:
     random.seed(args.seed)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    convos = generate(args.seed, args.conversations, "train", echo_share=args.echo_share,
-                      noise_share=args.noise_share, tail_share=args.tail_share, history_share=args.history_share,
-                      link_share=args.link_share, link_tail_share=args.link_tail_share,
-                      link_inline=args.link_inline, question_chats=args.question_chats,
-                      weather_share=args.weather_share, thanks_closer_share=args.thanks_closer_share,
-                      help_me_to=args.help_me_to,
-                      plain_share=args.plain_share)
+    convos = generate(args.seed, args.conversations, "train", **data_options(args))
     ranks = learn_corpus_ranks(convos[: args.bpe_conversations], args.vocab)
     # make-tiny writes the tokenizer files, config and vision tower; the text weights are then replaced
     write_tiny_checkpoint(out, seed=args.seed, variant="k25", config_overrides=TEXT_OVERRIDES, ranks=ranks)
@@ -482,6 +476,14 @@ TRAINING_DATA_SHARES = (
     ("--history-share", 0.0, "share of conversations after a long history of earlier exchanges; give --max-len "
                              "3072 with it"),
 )
+
+TRAINING_DATA_FLAGS = ("link_inline", "help_me_to", "question_chats")
+
+
+def data_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`generate`'s keyword arguments from the training arguments, so the tokenizer test rebuilds the same data."""
+    shares = [flag[2:].replace("-", "_") for flag, _, _ in TRAINING_DATA_SHARES]
+    return {name: getattr(args, name) for name in shares + list(TRAINING_DATA_FLAGS)}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ from tool_data_pool import (
     phrasing,
 )
 from gen_tool_data import fill
-from train_tiny_chat import FakeInt4, encode_conversation, learn_corpus_ranks, parser
+from train_tiny_chat import FakeInt4, data_options, encode_conversation, learn_corpus_ranks, parser
 
 RECIPE = parser().parse_args(["--out", "unused"])  # the embedded model's training arguments
 
@@ -255,8 +255,7 @@ def test_the_embedded_models_tokenizer_is_learned_from_these_conversations():
     train_tiny_chat.py's defaults learn from the first training conversations (seed 0), not K2's file."""
     from kserve.tiny import embedded_model_dir, tiktoken_model_text
 
-    convos = generate(RECIPE.seed, RECIPE.bpe_conversations, echo_share=RECIPE.echo_share,
-                      noise_share=RECIPE.noise_share, plain_share=RECIPE.plain_share)
+    convos = generate(RECIPE.seed, RECIPE.bpe_conversations, "train", **data_options(RECIPE))
     ranks = learn_corpus_ranks(convos, RECIPE.vocab)
     assert (embedded_model_dir() / "tiktoken.model").read_text() == tiktoken_model_text(ranks)
 
