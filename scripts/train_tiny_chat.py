@@ -477,13 +477,17 @@ TRAINING_DATA_SHARES = (
                              "3072 with it"),
 )
 
-TRAINING_DATA_FLAGS = ("link_inline", "help_me_to", "question_chats")
+TRAINING_DATA_FLAGS = (
+    ("--link-inline", "link words only inside a sentence, never after a full stop"),
+    ("--help-me-to", "the training wrapper \"Help me {intent}.\" becomes \"Help me to {intent}.\""),
+    ("--question-chats", "plain chats include small talk asked as tool questions are, \"What's new?\""),
+)
 
 
 def data_options(args: argparse.Namespace) -> dict[str, Any]:
     """`generate`'s keyword arguments from the training arguments, so the tokenizer test rebuilds the same data."""
-    shares = [flag[2:].replace("-", "_") for flag, _, _ in TRAINING_DATA_SHARES]
-    return {name: getattr(args, name) for name in shares + list(TRAINING_DATA_FLAGS)}
+    flags = [flag for flag, *_ in TRAINING_DATA_SHARES + TRAINING_DATA_FLAGS]
+    return {name: getattr(args, name) for name in (flag[2:].replace("-", "_") for flag in flags)}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -499,14 +503,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bpe-conversations", type=int, default=3000)
     for flag, default, what in TRAINING_DATA_SHARES:
         p.add_argument(flag, type=float, default=default, help=f"{what} (docs/embedded_model.md)")
-    p.add_argument("--link-inline", action="store_true",
-                   help="link words only inside a sentence, never after a full stop (docs/embedded_model.md)")
-    p.add_argument("--help-me-to", action="store_true",
-                   help="the training wrapper \"Help me {intent}.\" becomes \"Help me to {intent}.\" "
-                        "(docs/embedded_model.md)")
-    p.add_argument("--question-chats", action="store_true",
-                   help="plain chats include small talk asked as tool questions are, \"What's new?\" "
-                        "(docs/embedded_model.md)")
+    for flag, what in TRAINING_DATA_FLAGS:
+        p.add_argument(flag, action="store_true", help=f"{what} (docs/embedded_model.md)")
     p.add_argument("--context-weight", type=float, default=0.3,
                    help="loss weight of the non-assistant tokens (the assistant's are 1)")
     p.add_argument("--arguments-weight", type=float, default=3.0,
