@@ -584,6 +584,47 @@ PLAIN_QUESTION_CHATS_TRAIN = (
       "What's your favorite song?", "How's your mood?", "What do you like to do?"),
      "I have no favorites, but I enjoy a good chat.", "asks what I like"),
 )
+# Small talk composed from parts (training only, `--composed-chats`): a salutation, who it is said to, and a
+# remark, so the model meets greetings, thanks and goodbyes as a class rather than as a list; history draws read
+# unseen ones ("Hey, long time no see!") as requests. No part holds a word of an unseen split's or the probe's
+# chats that the training chats lack (a test checks it).
+COMPOSED_SMALL_TALK_TRAIN = (
+    (("Hi", "Hey", "Hello", "Hiya", "Heya", "Morning", "Evening", "Afternoon", "Good morning", "Greetings",
+      "Hey hey"),
+     ("", " there", " friend", " buddy", " assistant", " pal", " folks", " again"),
+     ("", "How are you?", "How's it going?", "Hope all is well.", "Just saying hi.", "Glad to be here.",
+      "Happy Monday!", "Quick hello."),
+     "Hello! How can I help you today?", "greets me"),
+    (("Thanks", "Thank you", "Many thanks", "Cheers", "Thx", "Thanks a bunch", "Thanks heaps", "Awesome, thanks"),
+     ("", " friend", " buddy", " pal", " again", " so much"),
+     ("", "That helps.", "That was helpful.", "Perfect.", "Brilliant.", "Really helpful.", "Just what I needed.",
+      "Great work."),
+     "You're welcome!", "thanks me"),
+    (("Bye", "Goodbye", "Bye bye", "See you later", "Farewell"),
+     ("", " friend", " buddy", " pal", " folks"),
+     ("", "All done here.", "Gotta run.", "Speak tomorrow.", "Off I go."),
+     "Goodbye! Have a nice day.", "says goodbye"),
+)
+
+
+def composed_small_talk() -> tuple:
+    """COMPOSED_SMALL_TALK_TRAIN's chats as plain-chat entries, one per topic: every salutation with every
+    address, alone ("Hey pal!") or before every remark ("Hey pal, hope all is well.")."""
+    entries = []
+    for heads, addresses, remarks, answer, topic in COMPOSED_SMALL_TALK_TRAIN:
+        asks = []
+        for head in heads:
+            for address in addresses:
+                for remark in remarks:
+                    if not remark:
+                        asks.append(f"{head}{address}!")
+                    else:
+                        asks.append(f"{head}{address}, {remark[0].lower()}{remark[1:]}")
+                        asks.append(f"{head}{address}. {remark}")
+        entries.append((tuple(asks), answer, topic))
+    return tuple(entries)
+
+
 PLAIN_CHATS_HELDOUT = (
     (("Yo, what's up?", "Howdy!"), "Hello! How can I help you today?", "greets me"),
     (("Much appreciated.", "Cheers for that."), "You're welcome!", "thanks me"),

@@ -481,6 +481,8 @@ TRAINING_DATA_FLAGS = (
     ("--link-inline", "link words only inside a sentence, never after a full stop"),
     ("--help-me-to", "the training wrapper \"Help me {intent}.\" becomes \"Help me to {intent}.\""),
     ("--question-chats", "plain chats include small talk asked as tool questions are, \"What's new?\""),
+    ("--composed-chats", "plain chats include greetings, thanks and goodbyes composed from parts, \"Hey pal, quick "
+                         "hello.\""),
 )
 
 

@@ -653,6 +653,41 @@ def test_help_me_to_keeps_help_me_from_opening_a_task_in_training_only():
         assert before["messages"][before["eval_turn"]] == after["messages"][after["eval_turn"]]
 
 
+def test_composed_chats_are_training_small_talk_in_no_unseen_chats_words_and_never_call():
+    """`--composed-chats` (off in the recipe): greetings, thanks and goodbyes composed from parts join the plain
+    chats; no composed chat is an unseen split's or the probe's chat, and no part brings in a word of theirs that
+    the listed training chats lack, so `--chats` still measures unseen small talk."""
+    from tool_data_pool import PLAIN_CHATS_FRESH, PLAIN_CHATS_HELDOUT, PLAIN_CHATS_PROBE, composed_small_talk
+
+    def words(texts):
+        return {w.lower() for t in texts for w in re.findall(r"[A-Za-z']+", t)}
+
+    assert RECIPE.composed_chats is False
+    with pytest.raises(ValueError):
+        generate(1, 2, "fresh", composed_chats=True)
+    composed = {ask: (answer, topic) for asks, answer, topic in composed_small_talk() for ask in asks}
+    listed = [ask for chats in (PLAIN_CHATS, PLAIN_QUESTION_CHATS_TRAIN) for asks, *_ in chats for ask in asks]
+    unseen = list(PLAIN_CHATS_PROBE) + [ask for chats in (PLAIN_CHATS_HELDOUT, PLAIN_CHATS_FRESH)
+                                        for asks, *_ in chats for ask in asks]
+    assert len(composed) > 2000
+    assert not (words(composed) - words(listed)) & words(unseen)
+    assert not {w.lower().strip(" .!?") for w in composed} & {w.lower().strip(" .!?") for w in unseen}
+    assert "Hey pal, quick hello." in composed and composed["Thanks again. That helps."][1] == "thanks me"
+
+    def composed_only(rows):
+        return [r for r in rows if r["expect"]["kind"] == "text"
+                and r["messages"][r["eval_turn"] - 1]["content"] in set(composed) - set(listed)]
+
+    assert not composed_only(generate(0, 300, plain_share=1.0))
+    rows = composed_only(generate(0, 300, plain_share=1.0, composed_chats=True))
+    assert len(rows) >= 20
+    for row in rows:
+        answer, topic = composed[row["messages"][row["eval_turn"] - 1]["content"]]
+        turn = row["messages"][row["eval_turn"]]
+        assert row["expect"] == {"kind": "text", "content": answer} and not turn.get("tool_calls")
+        assert not row["thinking"] or f"The user {topic}," in turn["reasoning_content"]
+
+
 def test_joiner_probe_requests_hold_both_tasks_around_the_joiner_and_declare_their_two_tools():
     """`eval_tool_calls.py --joiners`: each bare request is the first task, the joiner's words, the second task,
     and expects the two calls in that order with only their two tools declared."""
