@@ -591,7 +591,7 @@ PLAIN_QUESTION_CHATS_TRAIN = (
 COMPOSED_SMALL_TALK_TRAIN = (
     (("Hi", "Hey", "Hello", "Hiya", "Heya", "Morning", "Evening", "Afternoon", "Good morning", "Greetings",
       "Hey hey"),
-     ("", " there", " friend", " buddy", " assistant", " pal", " folks", " again"),
+     ("", " there", " friend", " buddy", " assistant", " pal", " folks"),
      ("", "How are you?", "How's it going?", "Hope all is well.", "Just saying hi.", "Glad to be here.",
       "Happy Monday!", "Quick hello."),
      "Hello! How can I help you today?", "greets me"),
