@@ -79,7 +79,7 @@ def test_no_heldout_request_or_agent_prompt_appears_in_the_training_data(split):
     """The evaluation's conversations (seed 1) against the start of the shipped model's training data (seed 0):
     no user message and no agent system prompt in common, and every held-out tool request uses a held-out
     wrapper or joiner."""
-    train = generate(0, 4000, "train", **data_options(RECIPE))
+    train = generate(0, 4000, echo_share=RECIPE.echo_share, noise_share=RECIPE.noise_share)
     heldout = generate(1, 400, split)
 
     def said(rows, role):
@@ -463,13 +463,13 @@ def test_link_tails_follow_one_task_with_link_words_and_no_second_call():
 
 
 def test_history_puts_whole_earlier_exchanges_before_the_request_with_ids_counted_across_them():
-    """`--history-share` (0.02 in the recipe) and `eval_tool_calls.py --long`: earlier exchanges go before the
+    """`--history-share` (off in the recipe) and `eval_tool_calls.py --long`: earlier exchanges go before the
     request, their call ids count on across the conversation as kserve rewrites them, every called tool stays
     declared, the evaluated turn is still the one expected, and most prompts run past the 1,024 tokens a
     conversation usually has."""
     from kserve.chat import load_tokenizer, normalize_tool_call_ids
 
-    assert RECIPE.history_share == 0.02 and RECIPE.max_len == 3072
+    assert RECIPE.history_share == 0.0
     tokenizer = load_tokenizer(Path(__file__).resolve().parents[1] / "kserve" / "tiny" / "tiny-k26-chat")
     rows = generate(3, 24, "heldout", history_share=1.0)
     lengths = []
@@ -503,9 +503,9 @@ def test_history_puts_whole_earlier_exchanges_before_the_request_with_ids_counte
 
 
 def test_question_chats_are_training_small_talk_opening_as_tool_questions_do_and_never_calling():
-    """`--question-chats` (on in the recipe): small talk asked the way tool questions are ("What's new?"),
+    """`--question-chats` (off in the recipe): small talk asked the way tool questions are ("What's new?"),
     answered with no call; none of it is an unseen split's chat, opener or closer, and the unseen splits refuse it."""
-    assert RECIPE.question_chats is True
+    assert RECIPE.question_chats is False
     with pytest.raises(ValueError):
         generate(1, 2, "heldout", question_chats=True)
     asks = {ask for chats, *_ in PLAIN_QUESTION_CHATS_TRAIN for ask in chats}
@@ -580,11 +580,11 @@ def test_weather_probe_asks_for_training_cities_weather_with_only_get_weather_de
 
 
 def test_weather_share_asks_for_the_weather_as_users_first_do_in_training_only():
-    """`--weather-share` (0.01 in the recipe): that share of the training conversations asks for one `get_weather`
+    """`--weather-share` (off in the recipe): that share of the training conversations asks for one `get_weather`
     call with a WEATHER_QUESTIONS_TRAIN question, the city copied; no unseen split holds those questions."""
     from tool_data_pool import CITIES, WEATHER_QUESTIONS_TRAIN
 
-    assert RECIPE.weather_share == 0.01
+    assert RECIPE.weather_share == 0.0
     with pytest.raises(ValueError):
         generate(1, 2, "fresh", weather_share=0.5)
     asked = {q.format(city=c): c for q in WEATHER_QUESTIONS_TRAIN for c in CITIES}
@@ -607,10 +607,10 @@ def test_weather_share_asks_for_the_weather_as_users_first_do_in_training_only()
 
 
 def test_thanks_closers_end_training_requests_with_the_chats_that_thank_and_still_call():
-    """`--thanks-closer-share` (0.1 in the recipe): a training request may end in a plain chat that thanks
+    """`--thanks-closer-share` (off in the recipe): a training request may end in a plain chat that thanks
     ("Appreciate it."), which alone gets "You're welcome!"; the request still gets its calls. The chats are
     training's own, none an unseen split's closer or chat."""
-    assert RECIPE.thanks_closer_share == 0.1
+    assert RECIPE.thanks_closer_share == 0.0
     with pytest.raises(ValueError):
         generate(1, 2, "heldout", thanks_closer_share=0.5)
     thanks = {ask for asks, _, topic in PLAIN_CHATS if topic == "thanks me" for ask in asks}
@@ -634,27 +634,27 @@ def test_thanks_closers_end_training_requests_with_the_chats_that_thank_and_stil
 
 
 def test_help_me_to_keeps_help_me_from_opening_a_task_in_training_only():
-    """`--help-me-to` (on in the recipe): the training wrapper "Help me {intent}." becomes "Help me to
+    """`--help-me-to` (off in the recipe): the training wrapper "Help me {intent}." becomes "Help me to
     {intent}.", so no training request has "Help me" straight before a task, as the held-out "Help me out and"
-    does; the thoughts and calls are those without it."""
-    assert RECIPE.help_me_to is True
+    does; the thoughts and calls are the recipe's own."""
+    assert RECIPE.help_me_to is False
     with pytest.raises(ValueError):
         generate(1, 2, "heldout", help_me_to=True)
 
     def help_me(rows, pattern):
         return [r for r in rows if re.search(pattern, r["messages"][r["eval_turn"] - 1]["content"] or "")]
 
-    plain, changed = generate(0, 2000, plain_share=0.0), generate(0, 2000, plain_share=0.0, help_me_to=True)
-    assert help_me(plain, r"\bHelp me (?!to )") and not help_me(plain, r"\bHelp me to ")
+    recipe, changed = generate(0, 2000, plain_share=0.0), generate(0, 2000, plain_share=0.0, help_me_to=True)
+    assert help_me(recipe, r"\bHelp me (?!to )") and not help_me(recipe, r"\bHelp me to ")
     assert not help_me(changed, r"\bHelp me (?!to )")
-    assert len(help_me(changed, r"\bHelp me to ")) == len(help_me(plain, r"\bHelp me "))
-    for before, after in zip(plain, changed):
+    assert len(help_me(changed, r"\bHelp me to ")) == len(help_me(recipe, r"\bHelp me "))
+    for before, after in zip(recipe, changed):
         assert before["expect"] == after["expect"]
         assert before["messages"][before["eval_turn"]] == after["messages"][after["eval_turn"]]
 
 
 def test_composed_chats_are_training_small_talk_in_no_unseen_chats_words_and_never_call():
-    """`--composed-chats` (on in the recipe): greetings, thanks and goodbyes composed from parts join the plain
+    """`--composed-chats` (off in the recipe): greetings, thanks and goodbyes composed from parts join the plain
     chats; no composed chat is an unseen split's or the probe's chat, and no part brings in a word of theirs that
     the listed training chats lack, so `--chats` still measures unseen small talk."""
     from tool_data_pool import PLAIN_CHATS_FRESH, PLAIN_CHATS_HELDOUT, PLAIN_CHATS_PROBE, composed_small_talk
@@ -662,7 +662,7 @@ def test_composed_chats_are_training_small_talk_in_no_unseen_chats_words_and_nev
     def words(texts):
         return {w.lower() for t in texts for w in re.findall(r"[A-Za-z']+", t)}
 
-    assert RECIPE.composed_chats is True
+    assert RECIPE.composed_chats is False
     with pytest.raises(ValueError):
         generate(1, 2, "fresh", composed_chats=True)
     composed = {ask: (answer, topic) for asks, answer, topic in composed_small_talk() for ask in asks}
