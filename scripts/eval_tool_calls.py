@@ -34,7 +34,8 @@ joiner.
 and reports chat_probe_stop_rate (text ending in `stop`) and the chats missed.
 `--weather` also sends WEATHER_PROBE's six weather questions with only `get_weather` declared and reports
 weather_probe_rate (the call with exactly the city) and the questions missed: history draws read some of them
-as small talk.
+as small talk. `--unseen-weather` sends UNSEEN_WEATHER_PROBE's 24 questions about cities outside the training
+pool and reports unseen_weather_call_rate (`get_weather` called, whatever the city) and the questions missed.
 """
 
 from __future__ import annotations
@@ -126,11 +127,21 @@ WEATHER_PROBE = (("What's the weather like in Paris today?", "Paris"),
                  ("How's the weather in Oslo today?", "Oslo"), ("How's the weather in Madrid?", "Madrid"))
 
 
-def weather_rows() -> list[dict[str, Any]]:
-    """WEATHER_PROBE as rows for `score`: the question alone, `get_weather` alone declared, one call expected."""
+def weather_rows(probe: tuple[tuple[str, str], ...] = WEATHER_PROBE) -> list[dict[str, Any]]:
+    """A weather probe as rows for `score`: the question alone, `get_weather` alone declared, one call expected."""
     return [{"messages": [{"role": "user", "content": text}], "tools": [WEATHER], "eval_turn": 1,
              "expect": {"kind": "tool_calls", "calls": [{"name": "get_weather", "arguments": {"city": city}}]}}
-            for text, city in WEATHER_PROBE]
+            for text, city in probe]
+
+
+# plain weather questions about cities outside the training pool, the way users first ask; the forty-ninth run
+# read them as small talk while passing WEATHER_PROBE (docs/embedded_model.md). Scored on the call, not the city,
+# which the model cannot be expected to copy.
+UNSEEN_WEATHER_CITIES = ("Beijing", "Shanghai", "Chicago", "Moscow", "Seattle", "Vienna")
+UNSEEN_WEATHER_FORMS = ("What is the weather in {city}?", "what is the weather in {city}?",
+                        "What's the weather in {city}?", "How is the weather in {city}?")
+UNSEEN_WEATHER_PROBE = tuple((form.format(city=city), city) for form in UNSEEN_WEATHER_FORMS
+                             for city in UNSEEN_WEATHER_CITIES)
 
 
 # (user message, request tools, tools declared in a system message instead)
@@ -192,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also send this many bare two-task requests for each of JOINER_PROBE's joiners")
     p.add_argument("--chats", action="store_true", help="also send PLAIN_CHATS_PROBE's unseen plain chats")
     p.add_argument("--weather", action="store_true", help="also send WEATHER_PROBE's weather questions")
+    p.add_argument("--unseen-weather", action="store_true",
+                   help="also send UNSEEN_WEATHER_PROBE's weather questions about cities outside the training pool")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
 
@@ -240,6 +253,13 @@ def main(argv: list[str] | None = None) -> int:
             weather = score(client, model, weather_rows(), thinking, max_failures=len(WEATHER_PROBE))
             result["weather_probe_rate"] = weather["exact_args_rate"]
             result["weather_probe_misses"] = [f["prompt"] for f in weather["failures"]]
+        if args.unseen_weather:
+            unseen = score(client, model, weather_rows(UNSEEN_WEATHER_PROBE), thinking,
+                           max_failures=len(UNSEEN_WEATHER_PROBE))
+            result["unseen_weather_call_rate"] = unseen["tool_call_rate"]
+            result["unseen_weather_misses"] = [
+                f["prompt"] for f in unseen["failures"]
+                if [c["function"]["name"] for c in f["got"]["tool_calls"]] != ["get_weather"]]
         if args.loops:
             result["loop_probe"] = f"{loop_probe(client, model)} of {len(LOOP_PROBE)} at the cap"
     finally:

@@ -579,6 +579,24 @@ def test_weather_probe_asks_for_training_cities_weather_with_only_get_weather_de
         assert row["expect"] == {"kind": "tool_calls", "calls": [{"name": "get_weather", "arguments": {"city": city}}]}
 
 
+def test_unseen_weather_probe_asks_about_cities_no_split_or_training_conversation_names():
+    """`eval_tool_calls.py --unseen-weather`: 24 plain weather questions about six cities outside the training
+    pool, none of them in any training or unseen split's conversations, `get_weather` alone declared."""
+    from eval_tool_calls import UNSEEN_WEATHER_CITIES, UNSEEN_WEATHER_PROBE, weather_rows
+    from tool_data_pool import CITIES
+
+    rows = weather_rows(UNSEEN_WEATHER_PROBE)
+    assert len({text for text, _ in UNSEEN_WEATHER_PROBE}) == len(rows) == 24
+    assert not set(UNSEEN_WEATHER_CITIES) & set(CITIES)
+    said = json.dumps([generate(0, 400, "train", **data_options(RECIPE)), generate(1, 400, "heldout"),
+                       generate(1, 400, "fresh")]).lower()
+    assert not [city for city in UNSEEN_WEATHER_CITIES if city.lower() in said]
+    for (text, city), row in zip(UNSEEN_WEATHER_PROBE, rows):
+        assert city in text and "weather" in text
+        assert [t["function"]["name"] for t in row["tools"]] == ["get_weather"]
+        assert row["expect"]["calls"] == [{"name": "get_weather", "arguments": {"city": city}}]
+
+
 def test_weather_share_asks_for_the_weather_as_users_first_do_in_training_only():
     """`--weather-share` (off in the recipe): that share of the training conversations asks for one `get_weather`
     call with a WEATHER_QUESTIONS_TRAIN question, the city copied; no unseen split holds those questions."""
