@@ -581,16 +581,17 @@ def test_weather_probe_asks_for_training_cities_weather_with_only_get_weather_de
 
 def test_unseen_weather_probe_asks_about_cities_no_split_or_training_conversation_names():
     """`eval_tool_calls.py --unseen-weather`: 24 plain weather questions about six cities outside the training
-    pool, none of them in any training or unseen split's conversations, `get_weather` alone declared."""
+    pool, `get_weather` alone declared. No pool of the data generator names them, so no conversation of any
+    split or training option can."""
+    import gen_tool_data
+    import tool_data_pool
     from eval_tool_calls import UNSEEN_WEATHER_CITIES, UNSEEN_WEATHER_PROBE, weather_rows
-    from tool_data_pool import CITIES
 
     rows = weather_rows(UNSEEN_WEATHER_PROBE)
     assert len({text for text, _ in UNSEEN_WEATHER_PROBE}) == len(rows) == 24
-    assert not set(UNSEEN_WEATHER_CITIES) & set(CITIES)
-    said = json.dumps([generate(0, 400, "train", **data_options(RECIPE)), generate(1, 400, "heldout"),
-                       generate(1, 400, "fresh")]).lower()
-    assert not [city for city in UNSEEN_WEATHER_CITIES if city.lower() in said]
+    assert not set(UNSEEN_WEATHER_CITIES) & set(tool_data_pool.CITIES)
+    sources = "".join(Path(m.__file__).read_text() for m in (gen_tool_data, tool_data_pool)).lower()
+    assert "paris" in sources and not [city for city in UNSEEN_WEATHER_CITIES if city.lower() in sources]
     for (text, city), row in zip(UNSEEN_WEATHER_PROBE, rows):
         assert city in text and "weather" in text
         assert [t["function"]["name"] for t in row["tools"]] == ["get_weather"]
