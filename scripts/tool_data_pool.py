@@ -781,6 +781,11 @@ QUESTIONS_TRAIN: dict[str, tuple[str, ...]] = {
 WEATHER_QUESTIONS_TRAIN = ("What's the weather like in {city}?", "What is the weather like in {city}?",
                            "What's the weather like in {city} today?", "What is the weather like in {city} today?",
                            "How's the weather in {city} today?", "How is the weather in {city} today?")
+# The plainest forms, without "like" or "today" (training only, `--weather-plain`): users ask these first, and
+# QUESTIONS_TRAIN's two of them come at one tool in 64 times 0.3. The unseen-city probe's "How is" and lower-case
+# forms stay out, so half of that probe tests the form as well as the city.
+WEATHER_QUESTIONS_PLAIN_TRAIN = ("What is the weather in {city}?", "What's the weather in {city}?",
+                                 "How's the weather in {city}?")
 
 
 # Context a user gives before the request (training only): the thought must copy the request, not this.

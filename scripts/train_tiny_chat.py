@@ -483,6 +483,7 @@ TRAINING_DATA_FLAGS = (
     ("--question-chats", "plain chats include small talk asked as tool questions are, \"What's new?\""),
     ("--composed-chats", "plain chats include greetings, thanks and goodbyes composed from parts, \"Hey pal, quick "
                          "hello.\""),
+    ("--weather-plain", "the weather questions include the plainest forms, \"What is the weather in {city}?\""),
 )
 
 
