@@ -30,9 +30,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tool_data_pool import (ECHO_WRAPPERS_TRAIN, PLAIN_CHATS_PROBE, PLAIN_QUESTION_CHATS_TRAIN, SYSTEM_PROMPTS,
-                            WEATHER_QUESTIONS_PLAIN_TRAIN, WEATHER_QUESTIONS_TRAIN, Phrasing, Tool, add_link_tail, add_noise, add_tail, build_tools,
-                            composed_small_talk, echo_vocabulary, link_joiner, link_words, noise_vocabulary,
-                            phrasing, tail_words)
+                            WEATHER_QUESTIONS_PLAIN_TRAIN, WEATHER_QUESTIONS_TRAIN, Phrasing, Tool, add_link_tail,
+                            add_noise, add_tail, build_tools, composed_small_talk, echo_vocabulary, link_joiner,
+                            link_words, noise_vocabulary, phrasing, tail_words)
 
 from kserve.chat import normalize_tool_call_ids, render_prompt
 
