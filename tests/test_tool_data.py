@@ -627,8 +627,8 @@ def test_weather_share_asks_for_the_weather_as_users_first_do_in_training_only()
 
 def test_weather_plain_adds_the_plainest_weather_questions_in_training_only():
     """`--weather-plain` (off in the recipe): the `--weather-share` questions include "What is the weather in
-    {city}?" and its kin, each with a `get_weather` call for the city; without it none of the share asks so, and
-    no unseen split asks "What is the weather in {city}?"."""
+    {city}?" and its kin, each with a `get_weather` call for the city; without it they come only as the rare tool
+    questions of QUESTIONS_TRAIN, and no unseen split asks "What is the weather in {city}?"."""
     from tool_data_pool import CITIES, WEATHER_QUESTIONS_PLAIN_TRAIN
 
     assert RECIPE.weather_plain is False
@@ -641,16 +641,16 @@ def test_weather_plain_adds_the_plainest_weather_questions_in_training_only():
                 if any(a in r["messages"][r["eval_turn"] - 1]["content"] for a in plain)]
 
     share = dict(weather_share=0.3, plain_share=0.0)
-    before = {id(r) for r, _ in asked(generate(0, 300, **share))}
+    before = len(asked(generate(0, 300, **share)))
     rows = asked(generate(0, 300, weather_plain=True, **share))
-    assert len(rows) >= 20 and len(rows) > 2 * len(before)
+    assert len(rows) >= 20 and len(rows) > 2 * before
     for row, ask in rows:
         assert [call["name"] for call in row["expect"]["calls"]] == ["get_weather"]
         assert row["expect"]["calls"][0]["arguments"]["city"] == plain[ask]
-    unseen = {q.format(city=c) for q in WEATHER_QUESTIONS_PLAIN_TRAIN[:1] for c in CITIES}
+    plainest = {WEATHER_QUESTIONS_PLAIN_TRAIN[0].format(city=c) for c in CITIES}
     for split in ("heldout", "fresh"):
         assert not [r for r in generate(1, 300, split)
-                    if any(u in r["messages"][r["eval_turn"] - 1]["content"] for u in unseen)]
+                    if any(q in r["messages"][r["eval_turn"] - 1]["content"] for q in plainest)]
 
 
 def test_thanks_closers_end_training_requests_with_the_chats_that_thank_and_still_call():
