@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tool_data_pool import (ECHO_WRAPPERS_TRAIN, PLAIN_CHATS_PROBE, PLAIN_QUESTION_CHATS_TRAIN, SYSTEM_PROMPTS,
                             WEATHER_QUESTIONS_PLAIN_TRAIN, WEATHER_QUESTIONS_TRAIN, Phrasing, Tool, add_link_tail,
                             add_noise, add_tail, build_tools, composed_small_talk, echo_vocabulary, link_joiner,
-                            link_words, noise_vocabulary, phrasing, tail_words)
+                            link_words, noise_vocabulary, phrasing, tail_words, unserved_chores)
 
 from kserve.chat import normalize_tool_call_ids, render_prompt
 
@@ -313,7 +313,8 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
              link_tail_share: float = 0.0, link_inline: bool = False,
              question_chats: bool = False, weather_share: float = 0.0,
              thanks_closer_share: float = 0.0, help_me_to: bool = False,
-             composed_chats: bool = False, weather_plain: bool = False) -> list[dict]:
+             composed_chats: bool = False, weather_plain: bool = False,
+             unserved_requests: bool = False) -> list[dict]:
     """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
     `noise_share` (training only), each literal part of a request gets noise words with that probability; with
     `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability;
@@ -327,12 +328,15 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     `composed_chats` (training only), greetings, thanks and goodbyes composed from parts join the plain chats
     as three more entries (`composed_small_talk`), so those topics are drawn more often; with `weather_plain`
     (training only), the weather questions include WEATHER_QUESTIONS_PLAIN_TRAIN ("What is the weather in Paris?");
-    `history_share` of the conversations come after a long history of earlier exchanges (`add_history`)."""
+    with `unserved_requests` (training only), chores no tool does, in the training wrappers, join the plain chats
+    as one more entry ("Please mow the lawn."); `history_share` of the conversations come after a long history of
+    earlier exchanges (`add_history`)."""
     if (echo_share or noise_share or tail_share or link_share or link_tail_share or question_chats
-            or weather_share or thanks_closer_share or help_me_to or composed_chats or weather_plain) \
-            and split != "train":
+            or weather_share or thanks_closer_share or help_me_to or composed_chats or weather_plain
+            or unserved_requests) and split != "train":
         raise ValueError("echo requests, noise, tails, link words, question chats, weather questions, thanks "
-                         "closers, \"Help me to\", composed chats and plain weather forms are for training only")
+                         "closers, \"Help me to\", composed chats, plain weather forms and unserved requests are "
+                         "for training only")
     rng = random.Random(f"{split}:{seed}")
     pool = build_tools()
     style = phrasing(split)
@@ -353,6 +357,8 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
         style = dataclasses.replace(style, thanks=thanks, thanks_share=thanks_closer_share)
     if composed_chats:  # after the thanks closers, which stay the listed chats
         style = dataclasses.replace(style, plain=style.plain + composed_small_talk())
+    if unserved_requests:  # after "Help me to", so the chores are framed as the tool requests are
+        style = dataclasses.replace(style, plain=style.plain + unserved_chores(style.wrappers))
     weather = next(t for t in pool if t.name == "get_weather")
     weather_questions = WEATHER_QUESTIONS_TRAIN + (WEATHER_QUESTIONS_PLAIN_TRAIN if weather_plain else ())
     weather_style = dataclasses.replace(style, questions={"get_weather": weather_questions})

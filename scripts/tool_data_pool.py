@@ -625,6 +625,28 @@ def composed_small_talk() -> tuple:
     return tuple(entries)
 
 
+# Requests for chores no tool in the pool does (training only, `--unserved-requests`), asked in the training
+# wrappers that frame tool requests, so the frame alone never means a call: a draw that calls get_weather for
+# "Fill in the form." (a grammar test's request) reads any imperative as a tool request.
+UNSERVED_TASKS_TRAIN = (
+    "fix my bike", "mow the lawn", "wash the dishes", "walk the dog", "paint the fence", "water the plants",
+    "tidy my desk", "feed the cat", "iron my shirt", "sign the contract", "fill out the survey", "clean the kitchen",
+    "fold the laundry", "take out the trash", "repair the sink", "pick up the kids", "park the car",
+    "make me a coffee", "hang the picture", "vacuum the hallway", "move the sofa", "complete the application",
+    "shovel the snow", "change the tire", "knit a scarf", "scan this receipt", "grade these essays",
+    "polish my shoes", "wrap the present", "sweep the porch",
+)
+
+
+def unserved_chores(wrappers: tuple[str, ...]) -> tuple:
+    """One plain-chat entry: every chore of UNSERVED_TASKS_TRAIN in every wrapper of `wrappers`, answered
+    with a plain refusal."""
+    asks = {w.format(intent=task, Intent=task[0].upper() + task[1:])
+            for w in wrappers for task in UNSERVED_TASKS_TRAIN}
+    return ((tuple(sorted(asks)), "Sorry, I can't do that: none of my tools can.",
+             "asks for a chore none of my tools can do"),)
+
+
 PLAIN_CHATS_HELDOUT = (
     (("Yo, what's up?", "Howdy!"), "Hello! How can I help you today?", "greets me"),
     (("Much appreciated.", "Cheers for that."), "You're welcome!", "thanks me"),

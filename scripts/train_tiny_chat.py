@@ -484,6 +484,8 @@ TRAINING_DATA_FLAGS = (
     ("--composed-chats", "plain chats include greetings, thanks and goodbyes composed from parts, \"Hey pal, quick "
                          "hello.\""),
     ("--weather-plain", "the weather questions include the plainest forms, \"What is the weather in {city}?\""),
+    ("--unserved-requests", "plain chats include chores no tool does in the training wrappers, \"Please mow the "
+                            "lawn.\""),
 )
 
 

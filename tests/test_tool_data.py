@@ -736,6 +736,35 @@ def test_composed_chats_are_training_small_talk_in_no_unseen_chats_words_and_nev
         assert not row["thinking"] or f"The user {topic}," in turn["reasoning_content"]
 
 
+def test_unserved_requests_frame_chores_no_tool_does_as_tool_requests_are_and_never_call():
+    """`--unserved-requests` (off in the recipe): chores no tool does, in the training wrappers as the recipe
+    frames tool requests ("Help me to ..." under `--help-me-to`), join the plain chats and get a plain refusal,
+    so a tool request's frame alone never means a call; no chore is asked by a tool request."""
+    from tool_data_pool import UNSERVED_TASKS_TRAIN, unserved_chores
+
+    assert RECIPE.unserved_requests is False
+    with pytest.raises(ValueError):
+        generate(1, 2, "heldout", unserved_requests=True)
+    (asks, answer, topic), = unserved_chores(WRAPPERS_TRAIN)
+    assert len(asks) == len(set(WRAPPERS_TRAIN)) * len(UNSERVED_TASKS_TRAIN)
+    assert "Please mow the lawn." in asks and "Kindly mow the lawn." not in asks
+
+    def asked(rows):
+        return [r for r in rows if r["messages"][r["eval_turn"] - 1]["content"] in chores]
+
+    chores = set(unserved_chores(tuple(w.replace("Help me {", "Help me to {") for w in WRAPPERS_TRAIN))[0][0])
+    assert "Help me to fix my bike." in chores and "Help me fix my bike." not in chores
+    assert not asked(generate(0, 400, plain_share=1.0, help_me_to=True))
+    rows = asked(generate(0, 400, plain_share=1.0, help_me_to=True, unserved_requests=True))
+    assert len(rows) >= 8
+    for row in rows:
+        turn = row["messages"][row["eval_turn"]]
+        assert row["expect"] == {"kind": "text", "content": answer} and not turn.get("tool_calls")
+        assert not row["thinking"] or f"The user {topic}," in turn["reasoning_content"]
+    requests = [r["messages"][r["eval_turn"] - 1]["content"] for r in generate(0, 2000, plain_share=0.0)]
+    assert not [q for q in requests if any(task in q for task in UNSERVED_TASKS_TRAIN)]
+
+
 def test_joiner_probe_requests_hold_both_tasks_around_the_joiner_and_declare_their_two_tools():
     """`eval_tool_calls.py --joiners`: each bare request is the first task, the joiner's words, the second task,
     and expects the two calls in that order with only their two tools declared."""
