@@ -626,8 +626,8 @@ def composed_small_talk() -> tuple:
 
 
 # Requests for chores no tool in the pool does (training only, `--unserved-requests`), asked in the training
-# wrappers that frame tool requests, so the frame alone never means a call: a draw that calls get_weather for
-# "Fill in the form." (a grammar test's request) reads any imperative as a tool request.
+# wrappers that frame tool requests, so the frame alone does not mean a call: history draws called get_weather
+# for "Fill in the form." (a grammar test's request). It did not carry there (docs/embedded_model.md).
 UNSERVED_TASKS_TRAIN = (
     "fix my bike", "mow the lawn", "wash the dishes", "walk the dog", "paint the fence", "water the plants",
     "tidy my desk", "feed the cat", "iron my shirt", "sign the contract", "fill out the survey", "clean the kitchen",
