@@ -36,6 +36,8 @@ and reports chat_probe_stop_rate (text ending in `stop`) and the chats missed.
 weather_probe_rate (the call with exactly the city) and the questions missed: history draws read some of them
 as small talk. `--unseen-weather` sends UNSEEN_WEATHER_PROBE's 24 questions about cities outside the training
 pool and reports unseen_weather_call_rate (`get_weather` called, whatever the city) and the questions missed.
+`--chores` sends CHORE_PROBE's 24 chores no tool does, bare and in the unseen splits' wrappers, with only
+`get_weather` declared, and reports chore_probe_stop_rate (text ending in `stop`, no call) and the chores missed.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gen_tool_data import generate, probe_chats, two_task_requests
+from tool_data_pool import WRAPPERS_FRESH, WRAPPERS_HELDOUT
 
 
 def score(client: Any, model: str, rows: list[dict[str, Any]], thinking: bool | None = None,
@@ -144,6 +147,25 @@ UNSEEN_WEATHER_PROBE = tuple((form.format(city=city), city) for form in UNSEEN_W
                              for city in UNSEEN_WEATHER_CITIES)
 
 
+# chores no tool does (none of training's `--unserved-requests` chores), bare and in the unseen splits' wrappers,
+# `get_weather` alone declared as a grammar test asks "Fill in the form.": history draws call it for them
+# (docs/embedded_model.md, fifty-fifth run).
+CHORE_PROBE_TASKS = ("fill in the form", "clean the windows", "sort my socks", "feed the fish", "fix the door",
+                     "wash my car", "make the bed", "bake bread", "sew a button", "trim the hedge",
+                     "empty the dishwasher", "carry the boxes")
+
+
+def chore_rows() -> list[dict[str, Any]]:
+    """CHORE_PROBE as rows for `score`: each chore bare ("Fill in the form.") and in one unseen wrapper, no
+    answer expected word for word."""
+    wrappers = WRAPPERS_HELDOUT + WRAPPERS_FRESH
+    asks = []
+    for i, task in enumerate(CHORE_PROBE_TASKS):
+        asks += [f"{task[0].upper()}{task[1:]}.", wrappers[i % len(wrappers)].format(intent=task)]
+    return [{"messages": [{"role": "user", "content": ask}], "tools": [WEATHER], "eval_turn": 1,
+             "expect": {"kind": "text", "content": None}} for ask in asks]
+
+
 # (user message, request tools, tools declared in a system message instead)
 LOOP_PROBE: tuple[tuple[str, tuple[dict[str, Any], ...], tuple[dict[str, Any], ...]], ...] = (
     ("what is the weather in beijing?", (), (WEATHER,)), ("what is the weather in beijing?", (), (WEATHER, TIME)),
@@ -205,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weather", action="store_true", help="also send WEATHER_PROBE's weather questions")
     p.add_argument("--unseen-weather", action="store_true",
                    help="also send UNSEEN_WEATHER_PROBE's weather questions about cities outside the training pool")
+    p.add_argument("--chores", action="store_true", help="also send CHORE_PROBE's chores no tool does")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
 
@@ -260,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
             result["unseen_weather_misses"] = [
                 f["prompt"] for f in unseen["failures"]
                 if [c["function"]["name"] for c in f["got"]["tool_calls"]] != ["get_weather"]]
+        if args.chores:
+            chore_probe = score(client, model, chore_rows(), thinking, max_failures=2 * len(CHORE_PROBE_TASKS))
+            result["chore_probe_stop_rate"] = chore_probe["plain_stop_rate"]
+            result["chore_probe_misses"] = [f["prompt"] for f in chore_probe["failures"]]
         if args.loops:
             result["loop_probe"] = f"{loop_probe(client, model)} of {len(LOOP_PROBE)} at the cap"
     finally:

@@ -765,6 +765,26 @@ def test_unserved_requests_frame_chores_no_tool_does_as_tool_requests_are_and_ne
     assert not [q for q in requests if any(task in q for task in UNSERVED_TASKS_TRAIN)]
 
 
+def test_chore_probe_asks_unseen_chores_bare_and_in_unseen_wrappers_with_only_get_weather_declared():
+    """`eval_tool_calls.py --chores`: 24 requests for chores no tool does, each of 12 chores bare and in one
+    wrapper of an unseen split, `get_weather` alone declared, answered without a call; no chore is one of
+    training's `--unserved-requests` chores."""
+    from eval_tool_calls import CHORE_PROBE_TASKS, chore_rows
+    from tool_data_pool import WRAPPERS_FRESH, UNSERVED_TASKS_TRAIN
+
+    rows = chore_rows()
+    asks = [row["messages"][0]["content"] for row in rows]
+    assert len(set(asks)) == len(rows) == 24 and "Fill in the form." in asks
+    assert not {task for task in CHORE_PROBE_TASKS for trained in UNSERVED_TASKS_TRAIN if task in trained}
+    for ask, row in zip(asks, rows):
+        assert [t["function"]["name"] for t in row["tools"]] == ["get_weather"]
+        assert row["expect"] == {"kind": "text", "content": None}
+    wrapped = asks[1::2]
+    frames = WRAPPERS_HELDOUT + WRAPPERS_FRESH
+    assert all(any(ask == f.format(intent=task) for f in frames) for ask, task in zip(wrapped, CHORE_PROBE_TASKS))
+    assert not set(frames) & set(WRAPPERS_TRAIN)
+
+
 def test_joiner_probe_requests_hold_both_tasks_around_the_joiner_and_declare_their_two_tools():
     """`eval_tool_calls.py --joiners`: each bare request is the first task, the joiner's words, the second task,
     and expects the two calls in that order with only their two tools declared."""
