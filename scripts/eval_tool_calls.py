@@ -36,7 +36,7 @@ and reports chat_probe_stop_rate (text ending in `stop`) and the chats missed.
 weather_probe_rate (the call with exactly the city) and the questions missed: history draws read some of them
 as small talk. `--unseen-weather` sends UNSEEN_WEATHER_PROBE's 24 questions about cities outside the training
 pool and reports unseen_weather_call_rate (`get_weather` called, whatever the city) and the questions missed.
-`--chores` sends CHORE_PROBE's 24 chores no tool does, bare and in the unseen splits' wrappers, with only
+`--chores` sends CHORE_PROBE_TASKS' 12 chores no tool does, bare and in the unseen splits' wrappers, with only
 `get_weather` declared, and reports chore_probe_stop_rate (text ending in `stop`, no call) and the chores missed.
 """
 
@@ -156,7 +156,7 @@ CHORE_PROBE_TASKS = ("fill in the form", "clean the windows", "sort my socks", "
 
 
 def chore_rows() -> list[dict[str, Any]]:
-    """CHORE_PROBE as rows for `score`: each chore bare ("Fill in the form.") and in one unseen wrapper, no
+    """CHORE_PROBE_TASKS as rows for `score`: each chore bare ("Fill in the form.") and in one unseen wrapper, no
     answer expected word for word."""
     wrappers = WRAPPERS_HELDOUT + WRAPPERS_FRESH
     asks = []
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weather", action="store_true", help="also send WEATHER_PROBE's weather questions")
     p.add_argument("--unseen-weather", action="store_true",
                    help="also send UNSEEN_WEATHER_PROBE's weather questions about cities outside the training pool")
-    p.add_argument("--chores", action="store_true", help="also send CHORE_PROBE's chores no tool does")
+    p.add_argument("--chores", action="store_true", help="also send CHORE_PROBE_TASKS' chores no tool does")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
 
