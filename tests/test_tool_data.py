@@ -770,15 +770,16 @@ def test_chore_probe_asks_unseen_chores_bare_and_in_unseen_wrappers_with_only_ge
     wrapper of an unseen split, `get_weather` alone declared, answered without a call; no chore is one of
     training's `--unserved-requests` chores."""
     from eval_tool_calls import CHORE_PROBE_TASKS, chore_rows
-    from tool_data_pool import WRAPPERS_FRESH, UNSERVED_TASKS_TRAIN
+    from tool_data_pool import UNSERVED_TASKS_TRAIN, WRAPPERS_FRESH
 
     rows = chore_rows()
     asks = [row["messages"][0]["content"] for row in rows]
     assert len(set(asks)) == len(rows) == 24 and "Fill in the form." in asks
     assert not {task for task in CHORE_PROBE_TASKS for trained in UNSERVED_TASKS_TRAIN if task in trained}
-    for ask, row in zip(asks, rows):
+    for row in rows:
         assert [t["function"]["name"] for t in row["tools"]] == ["get_weather"]
         assert row["expect"] == {"kind": "text", "content": None}
+    assert asks[0::2] == [f"{task[0].upper()}{task[1:]}." for task in CHORE_PROBE_TASKS]
     wrapped = asks[1::2]
     frames = WRAPPERS_HELDOUT + WRAPPERS_FRESH
     assert all(any(ask == f.format(intent=task) for f in frames) for ask, task in zip(wrapped, CHORE_PROBE_TASKS))
