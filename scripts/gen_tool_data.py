@@ -249,8 +249,16 @@ def plain_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, th
     ask = add_noise(rng, add_noise(rng, rng.choice(greet), style), style)  # one part only: two chances
     messages = _prefix(rng, style, agent) + [{"role": "user", "content": ask},
                                              _assistant(_plain_reasoning(topic), answer, thinking)]
-    declare = agent or rng.random() < 0.5
-    tools = [t.schema() for t in rng.sample(pool, rng.randint(4, 8) if agent else rng.randint(1, 4))] if declare else []
+    beside = next((t for t in pool if t.name == style.declared_beside.get(topic)), None)
+    if beside is not None:  # always declared, among as many tools as any plain chat may declare
+        others = [t for t in pool if t is not beside]
+        chosen = [beside] + rng.sample(others, rng.randint(3, 7) if agent else rng.randint(0, 3))
+        rng.shuffle(chosen)
+        tools = [t.schema() for t in chosen]
+    else:
+        declare = agent or rng.random() < 0.5
+        tools = ([t.schema() for t in rng.sample(pool, rng.randint(4, 8) if agent else rng.randint(1, 4))]
+                 if declare else [])
     return {"messages": messages, "tools": tools, "expect": {"kind": "text", "content": answer},
             "eval_turn": len(messages) - 1}
 
@@ -314,7 +322,7 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
              question_chats: bool = False, weather_share: float = 0.0,
              thanks_closer_share: float = 0.0, help_me_to: bool = False,
              composed_chats: bool = False, weather_plain: bool = False,
-             unserved_requests: bool = False) -> list[dict]:
+             unserved_requests: bool = False, chores_beside_weather: bool = False) -> list[dict]:
     """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
     `noise_share` (training only), each literal part of a request gets noise words with that probability; with
     `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability;
@@ -329,11 +337,12 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     as three more entries (`composed_small_talk`), so those topics are drawn more often; with `weather_plain`
     (training only), the weather questions include WEATHER_QUESTIONS_PLAIN_TRAIN ("What is the weather in Paris?");
     with `unserved_requests` (training only), chores no tool does, in the training wrappers, join the plain chats
-    as one more entry ("Please mow the lawn."); `history_share` of the conversations come after a long history of
+    as one more entry ("Please mow the lawn."), and with `chores_beside_weather` `get_weather` is declared beside
+    each of them; `history_share` of the conversations come after a long history of
     earlier exchanges (`add_history`)."""
     if (echo_share or noise_share or tail_share or link_share or link_tail_share or question_chats
             or weather_share or thanks_closer_share or help_me_to or composed_chats or weather_plain
-            or unserved_requests) and split != "train":
+            or unserved_requests or chores_beside_weather) and split != "train":
         raise ValueError("echo requests, noise, tails, link words, question chats, weather questions, thanks "
                          "closers, \"Help me to\", composed chats, plain weather forms and unserved requests are "
                          "for training only")
@@ -359,6 +368,11 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
         style = dataclasses.replace(style, plain=style.plain + composed_small_talk())
     if unserved_requests:  # after "Help me to", so the chores are framed as the tool requests are
         style = dataclasses.replace(style, plain=style.plain + unserved_chores(style.wrappers))
+    if chores_beside_weather:  # the chores probe's misses are get_weather calls: the tool alone is no reason to call
+        if not unserved_requests:
+            raise ValueError("chores beside the weather tool need the unserved requests")
+        topic = unserved_chores(())[0][2]
+        style = dataclasses.replace(style, declared_beside={topic: "get_weather"})
     weather = next(t for t in pool if t.name == "get_weather")
     weather_questions = WEATHER_QUESTIONS_TRAIN + (WEATHER_QUESTIONS_PLAIN_TRAIN if weather_plain else ())
     weather_style = dataclasses.replace(style, questions={"get_weather": weather_questions})

@@ -713,6 +713,7 @@ class Phrasing:
     link_inline: bool = False  # link words only inside a sentence: a new sentence after a task still ends it
     thanks: tuple[str, ...] = ()  # the plain chats that thank, as closers after a request (training only)
     thanks_share: float = 0.0  # chance that a request's closer is one of them
+    declared_beside: dict[str, str] = field(default_factory=dict)  # plain topic -> a tool always declared with it
 
 
 def phrasing(split: str) -> Phrasing:

@@ -486,6 +486,7 @@ TRAINING_DATA_FLAGS = (
     ("--weather-plain", "the weather questions include the plainest forms, \"What is the weather in {city}?\""),
     ("--unserved-requests", "plain chats include chores no tool does in the training wrappers, \"Please mow the "
                             "lawn.\""),
+    ("--chores-beside-weather", "get_weather is declared beside every chore of --unserved-requests"),
 )
 
 

@@ -765,6 +765,35 @@ def test_unserved_requests_frame_chores_no_tool_does_as_tool_requests_are_and_ne
     assert not [q for q in requests if any(task in q for task in UNSERVED_TASKS_TRAIN)]
 
 
+def test_chores_beside_weather_declare_get_weather_with_every_chore_and_leave_other_chats_alone():
+    """`--chores-beside-weather` (off in the recipe): every chore of `--unserved-requests` declares `get_weather`,
+    alone or among up to eight tools, and is still refused; the other plain chats declare tools as before."""
+    from tool_data_pool import unserved_chores
+
+    assert RECIPE.chores_beside_weather is False
+    with pytest.raises(ValueError):
+        generate(1, 2, "heldout", chores_beside_weather=True)
+    with pytest.raises(ValueError):
+        generate(1, 2, chores_beside_weather=True)
+    (asks, answer, _), = unserved_chores(WRAPPERS_TRAIN)
+    chores = set(asks)
+    rows = generate(0, 600, plain_share=1.0, unserved_requests=True, chores_beside_weather=True, agent_share=0.3)
+    chore_rows = [r for r in rows if r["messages"][r["eval_turn"] - 1]["content"] in chores]
+    others = [r for r in rows if r not in chore_rows]
+    assert len(chore_rows) >= 8 and len(others) >= 300
+
+    def names(row):
+        return [t["function"]["name"] for t in row["tools"]]
+
+    for row in chore_rows:
+        assert "get_weather" in names(row) and 1 <= len(row["tools"]) <= 8
+        assert row["expect"] == {"kind": "text", "content": answer}
+        assert not row["messages"][row["eval_turn"]].get("tool_calls")
+    assert {len(r["tools"]) for r in chore_rows} > {1}  # not always alone
+    assert sum("get_weather" in names(r) for r in others) < 0.3 * len(others)
+    assert sum(not r["tools"] for r in others) > 0.2 * len(others)
+
+
 def test_chore_probe_asks_unseen_chores_bare_and_in_unseen_wrappers_with_only_get_weather_declared():
     """`eval_tool_calls.py --chores`: 24 requests for chores no tool does, each of 12 chores bare and in one
     wrapper of an unseen split, `get_weather` alone declared, answered without a call; no chore is one of
