@@ -184,18 +184,21 @@ def test_auto_mode_calls_only_declared_tools_with_valid_arguments(client, model,
 
 
 def test_response_format_beside_tools_holds_every_answer_that_is_not_a_call(client, model, server):
-    """tool_choice auto with a response format: each reply is either valid calls or content in the format."""
+    """tool_choice auto with a response format: each reply is either valid calls or content in the format.
+    Logit biases steer some replies to each branch, so both are checked whatever the model's own choice."""
     answer = {"type": "object", "properties": {"summary": {"type": "string", "maxLength": 20},
                                                "score": {"type": "integer"}}, "required": ["summary", "score"],
               "additionalProperties": False}
     rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer, "strict": True}}
     tok = server.app.state.server.context.tokenizer
-    nudge = {str(tok.special_ids["<|tool_calls_section_begin|>"]): 30.0,
-             str(tok.special_ids["<|tool_calls_section_end|>"]): 30.0, str(tok.im_end_id): 20.0}
+    begin, end = (str(tok.special_ids[t]) for t in ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"))
+    to_calls = {begin: 30.0, end: 30.0, str(tok.im_end_id): 20.0}
+    to_content = {begin: -100.0, str(tok.im_end_id): 20.0}
     kinds = []
     for i in range(12):
+        bias = (None, to_calls, to_content, to_calls)[i % 4]
         result = chat(client, model, i % 3 == 0, tools=[WEATHER], tool_choice="auto", response_format=rf,
-                      temperature=1.0, seed=100 + i, logit_bias=nudge if i % 2 else None)
+                      temperature=1.0, seed=100 + i, logit_bias=bias)
         content, calls, finish = result
         if calls or finish == "tool_calls":
             kinds.append(check_calls([WEATHER], result, required=True))
