@@ -468,25 +468,26 @@ TRAINING_DATA_SHARES = (
     ("--tail-share", 0.0, "chance that a one-task training request ends in a joiner word"),
     ("--link-share", 0.0, "chance that a two-task training request's tasks are joined by noise words alone"),
     ("--link-tail-share", 0.0, "chance that a one-task training request's task is followed by noise words alone"),
-    ("--weather-share", 0.0, "share of the conversations asking for get_weather as \"What is the weather like in "
+    ("--weather-share", 0.01, "share of the conversations asking for get_weather as \"What is the weather like in "
                              "{city} today?\" and its kin"),
-    ("--thanks-closer-share", 0.0, "chance that a training request ends in a plain chat that thanks, "
+    ("--thanks-closer-share", 0.1, "chance that a training request ends in a plain chat that thanks, "
                                    "\"Appreciate it.\""),
-    ("--plain-share", 0.3, "share of the conversations that are plain chats, the rest tool requests"),
-    ("--history-share", 0.0, "share of conversations after a long history of earlier exchanges; give --max-len "
+    ("--plain-share", 0.35, "share of the conversations that are plain chats, the rest tool requests"),
+    ("--history-share", 0.02, "share of conversations after a long history of earlier exchanges; give --max-len "
                              "3072 with it"),
 )
 
+# The training data's switches: (flag, the recipe's value, what it is)
 TRAINING_DATA_FLAGS = (
-    ("--link-inline", "link words only inside a sentence, never after a full stop"),
-    ("--help-me-to", "the training wrapper \"Help me {intent}.\" becomes \"Help me to {intent}.\""),
-    ("--question-chats", "plain chats include small talk asked as tool questions are, \"What's new?\""),
-    ("--composed-chats", "plain chats include greetings, thanks and goodbyes composed from parts, \"Hey pal, quick "
-                         "hello.\""),
-    ("--weather-plain", "the weather questions include the plainest forms, \"What is the weather in {city}?\""),
-    ("--unserved-requests", "plain chats include chores no tool does in the training wrappers, \"Please mow the "
-                            "lawn.\""),
-    ("--chores-beside-weather", "get_weather is declared beside every chore of --unserved-requests"),
+    ("--link-inline", False, "link words only inside a sentence, never after a full stop"),
+    ("--help-me-to", True, "the training wrapper \"Help me {intent}.\" becomes \"Help me to {intent}.\""),
+    ("--question-chats", True, "plain chats include small talk asked as tool questions are, \"What's new?\""),
+    ("--composed-chats", True, "plain chats include greetings, thanks and goodbyes composed from parts, "
+                               "\"Hey pal, quick hello.\""),
+    ("--weather-plain", True, "the weather questions include the plainest forms, \"What is the weather in {city}?\""),
+    ("--unserved-requests", True, "plain chats include chores no tool does in the training wrappers, \"Please mow "
+                                  "the lawn.\""),
+    ("--chores-beside-weather", True, "get_weather is declared beside every chore of --unserved-requests"),
 )
 
 
@@ -502,15 +503,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=40000)
-    p.add_argument("--steps", type=int, default=2400)
+    p.add_argument("--steps", type=int, default=2600)
     p.add_argument("--batch-tokens", type=int, default=3072, help="padded tokens per batch")
-    p.add_argument("--max-len", type=int, default=1024, help="longer conversations are cut")
+    p.add_argument("--max-len", type=int, default=3072, help="longer conversations are cut")
     p.add_argument("--vocab", type=int, default=4096, help="BPE tokens learned from the conversations")
     p.add_argument("--bpe-conversations", type=int, default=3000)
     for flag, default, what in TRAINING_DATA_SHARES:
         p.add_argument(flag, type=float, default=default, help=f"{what} (docs/embedded_model.md)")
-    for flag, what in TRAINING_DATA_FLAGS:
-        p.add_argument(flag, action="store_true", help=f"{what} (docs/embedded_model.md)")
+    for flag, default, what in TRAINING_DATA_FLAGS:
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                       help=f"{what} (docs/embedded_model.md)")
     p.add_argument("--context-weight", type=float, default=0.3,
                    help="loss weight of the non-assistant tokens (the assistant's are 1)")
     p.add_argument("--arguments-weight", type=float, default=3.0,

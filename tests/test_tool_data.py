@@ -79,7 +79,7 @@ def test_no_heldout_request_or_agent_prompt_appears_in_the_training_data(split):
     """The evaluation's conversations (seed 1) against the start of the shipped model's training data (seed 0):
     no user message and no agent system prompt in common, and every held-out tool request uses a held-out
     wrapper or joiner."""
-    train = generate(0, 4000, echo_share=RECIPE.echo_share, noise_share=RECIPE.noise_share)
+    train = generate(0, 4000, "train", **data_options(RECIPE))
     heldout = generate(1, 400, split)
 
     def said(rows, role):
@@ -463,13 +463,13 @@ def test_link_tails_follow_one_task_with_link_words_and_no_second_call():
 
 
 def test_history_puts_whole_earlier_exchanges_before_the_request_with_ids_counted_across_them():
-    """`--history-share` (off in the recipe) and `eval_tool_calls.py --long`: earlier exchanges go before the
+    """`--history-share` (0.02 in the recipe) and `eval_tool_calls.py --long`: earlier exchanges go before the
     request, their call ids count on across the conversation as kserve rewrites them, every called tool stays
     declared, the evaluated turn is still the one expected, and most prompts run past the 1,024 tokens a
     conversation usually has."""
     from kserve.chat import load_tokenizer, normalize_tool_call_ids
 
-    assert RECIPE.history_share == 0.0
+    assert RECIPE.history_share == 0.02 and RECIPE.max_len == 3072
     tokenizer = load_tokenizer(Path(__file__).resolve().parents[1] / "kserve" / "tiny" / "tiny-k26-chat")
     rows = generate(3, 24, "heldout", history_share=1.0)
     lengths = []
@@ -503,9 +503,9 @@ def test_history_puts_whole_earlier_exchanges_before_the_request_with_ids_counte
 
 
 def test_question_chats_are_training_small_talk_opening_as_tool_questions_do_and_never_calling():
-    """`--question-chats` (off in the recipe): small talk asked the way tool questions are ("What's new?"),
+    """`--question-chats` (on in the recipe): small talk asked the way tool questions are ("What's new?"),
     answered with no call; none of it is an unseen split's chat, opener or closer, and the unseen splits refuse it."""
-    assert RECIPE.question_chats is False
+    assert RECIPE.question_chats is True
     with pytest.raises(ValueError):
         generate(1, 2, "heldout", question_chats=True)
     asks = {ask for chats, *_ in PLAIN_QUESTION_CHATS_TRAIN for ask in chats}
@@ -599,11 +599,11 @@ def test_unseen_weather_probe_asks_about_cities_no_split_or_training_conversatio
 
 
 def test_weather_share_asks_for_the_weather_as_users_first_do_in_training_only():
-    """`--weather-share` (off in the recipe): that share of the training conversations asks for one `get_weather`
+    """`--weather-share` (0.01 in the recipe): that share of the training conversations asks for one `get_weather`
     call with a WEATHER_QUESTIONS_TRAIN question, the city copied; no unseen split holds those questions."""
     from tool_data_pool import CITIES, WEATHER_QUESTIONS_TRAIN
 
-    assert RECIPE.weather_share == 0.0
+    assert RECIPE.weather_share == 0.01
     with pytest.raises(ValueError):
         generate(1, 2, "fresh", weather_share=0.5)
     asked = {q.format(city=c): c for q in WEATHER_QUESTIONS_TRAIN for c in CITIES}
@@ -626,12 +626,12 @@ def test_weather_share_asks_for_the_weather_as_users_first_do_in_training_only()
 
 
 def test_weather_plain_adds_the_plainest_weather_questions_in_training_only():
-    """`--weather-plain` (off in the recipe): the `--weather-share` questions include "What is the weather in
+    """`--weather-plain` (on in the recipe): the `--weather-share` questions include "What is the weather in
     {city}?" and its kin, each with a `get_weather` call for the city; without it they come only as the rare tool
     questions of QUESTIONS_TRAIN, and no unseen split asks "What is the weather in {city}?"."""
     from tool_data_pool import CITIES, WEATHER_QUESTIONS_PLAIN_TRAIN
 
-    assert RECIPE.weather_plain is False
+    assert RECIPE.weather_plain is True
     with pytest.raises(ValueError):
         generate(1, 2, "heldout", weather_plain=True)
     plain = {q.format(city=c): c for q in WEATHER_QUESTIONS_PLAIN_TRAIN for c in CITIES}
@@ -654,10 +654,10 @@ def test_weather_plain_adds_the_plainest_weather_questions_in_training_only():
 
 
 def test_thanks_closers_end_training_requests_with_the_chats_that_thank_and_still_call():
-    """`--thanks-closer-share` (off in the recipe): a training request may end in a plain chat that thanks
+    """`--thanks-closer-share` (0.1 in the recipe): a training request may end in a plain chat that thanks
     ("Appreciate it."), which alone gets "You're welcome!"; the request still gets its calls. The chats are
     training's own, none an unseen split's closer or chat."""
-    assert RECIPE.thanks_closer_share == 0.0
+    assert RECIPE.thanks_closer_share == 0.1
     with pytest.raises(ValueError):
         generate(1, 2, "heldout", thanks_closer_share=0.5)
     thanks = {ask for asks, _, topic in PLAIN_CHATS if topic == "thanks me" for ask in asks}
@@ -681,27 +681,27 @@ def test_thanks_closers_end_training_requests_with_the_chats_that_thank_and_stil
 
 
 def test_help_me_to_keeps_help_me_from_opening_a_task_in_training_only():
-    """`--help-me-to` (off in the recipe): the training wrapper "Help me {intent}." becomes "Help me to
+    """`--help-me-to` (on in the recipe): the training wrapper "Help me {intent}." becomes "Help me to
     {intent}.", so no training request has "Help me" straight before a task, as the held-out "Help me out and"
-    does; the thoughts and calls are the recipe's own."""
-    assert RECIPE.help_me_to is False
+    does; the thoughts and calls are those without it."""
+    assert RECIPE.help_me_to is True
     with pytest.raises(ValueError):
         generate(1, 2, "heldout", help_me_to=True)
 
     def help_me(rows, pattern):
         return [r for r in rows if re.search(pattern, r["messages"][r["eval_turn"] - 1]["content"] or "")]
 
-    recipe, changed = generate(0, 2000, plain_share=0.0), generate(0, 2000, plain_share=0.0, help_me_to=True)
-    assert help_me(recipe, r"\bHelp me (?!to )") and not help_me(recipe, r"\bHelp me to ")
+    plain, changed = generate(0, 2000, plain_share=0.0), generate(0, 2000, plain_share=0.0, help_me_to=True)
+    assert help_me(plain, r"\bHelp me (?!to )") and not help_me(plain, r"\bHelp me to ")
     assert not help_me(changed, r"\bHelp me (?!to )")
-    assert len(help_me(changed, r"\bHelp me to ")) == len(help_me(recipe, r"\bHelp me "))
-    for before, after in zip(recipe, changed):
+    assert len(help_me(changed, r"\bHelp me to ")) == len(help_me(plain, r"\bHelp me "))
+    for before, after in zip(plain, changed):
         assert before["expect"] == after["expect"]
         assert before["messages"][before["eval_turn"]] == after["messages"][after["eval_turn"]]
 
 
 def test_composed_chats_are_training_small_talk_in_no_unseen_chats_words_and_never_call():
-    """`--composed-chats` (off in the recipe): greetings, thanks and goodbyes composed from parts join the plain
+    """`--composed-chats` (on in the recipe): greetings, thanks and goodbyes composed from parts join the plain
     chats; no composed chat is an unseen split's or the probe's chat, and no part brings in a word of theirs that
     the listed training chats lack, so `--chats` still measures unseen small talk."""
     from tool_data_pool import PLAIN_CHATS_FRESH, PLAIN_CHATS_HELDOUT, PLAIN_CHATS_PROBE, composed_small_talk
@@ -709,7 +709,7 @@ def test_composed_chats_are_training_small_talk_in_no_unseen_chats_words_and_nev
     def words(texts):
         return {w.lower() for t in texts for w in re.findall(r"[A-Za-z']+", t)}
 
-    assert RECIPE.composed_chats is False
+    assert RECIPE.composed_chats is True
     with pytest.raises(ValueError):
         generate(1, 2, "fresh", composed_chats=True)
     composed = {ask: (answer, topic) for asks, answer, topic in composed_small_talk() for ask in asks}
@@ -737,12 +737,12 @@ def test_composed_chats_are_training_small_talk_in_no_unseen_chats_words_and_nev
 
 
 def test_unserved_requests_frame_chores_no_tool_does_as_tool_requests_are_and_never_call():
-    """`--unserved-requests` (off in the recipe): chores no tool does, in the training wrappers as the recipe
+    """`--unserved-requests` (on in the recipe): chores no tool does, in the training wrappers as the recipe
     frames tool requests ("Help me to ..." under `--help-me-to`), join the plain chats and get a plain refusal,
     so a tool request's frame alone never means a call; no chore is asked by a tool request."""
     from tool_data_pool import UNSERVED_TASKS_TRAIN, unserved_chores
 
-    assert RECIPE.unserved_requests is False
+    assert RECIPE.unserved_requests is True
     with pytest.raises(ValueError):
         generate(1, 2, "heldout", unserved_requests=True)
     (asks, answer, topic), = unserved_chores(WRAPPERS_TRAIN)
@@ -766,11 +766,11 @@ def test_unserved_requests_frame_chores_no_tool_does_as_tool_requests_are_and_ne
 
 
 def test_chores_beside_weather_declare_get_weather_with_every_chore_and_leave_other_chats_alone():
-    """`--chores-beside-weather` (off in the recipe): every chore of `--unserved-requests` declares `get_weather`,
+    """`--chores-beside-weather` (on in the recipe): every chore of `--unserved-requests` declares `get_weather`,
     alone or among up to eight tools, and is still refused; the other plain chats declare tools as before."""
     from tool_data_pool import unserved_chores
 
-    assert RECIPE.chores_beside_weather is False
+    assert RECIPE.chores_beside_weather is True
     with pytest.raises(ValueError):
         generate(1, 2, "heldout", chores_beside_weather=True)
     with pytest.raises(ValueError):
