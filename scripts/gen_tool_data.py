@@ -30,9 +30,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tool_data_pool import (ECHO_WRAPPERS_TRAIN, PLAIN_CHATS_PROBE, PLAIN_QUESTION_CHATS_TRAIN, SYSTEM_PROMPTS,
-                            WEATHER_QUESTIONS_PLAIN_TRAIN, WEATHER_QUESTIONS_TRAIN, Phrasing, Tool, add_link_tail,
-                            add_noise, add_tail, build_tools, composed_small_talk, echo_vocabulary, link_joiner,
-                            link_words, noise_vocabulary, phrasing, tail_words, unserved_chores)
+                            UNSERVED_CHORE_TOPIC, WEATHER_QUESTIONS_PLAIN_TRAIN, WEATHER_QUESTIONS_TRAIN, Phrasing,
+                            Tool, add_link_tail, add_noise, add_tail, build_tools, composed_small_talk,
+                            echo_vocabulary, link_joiner, link_words, noise_vocabulary, phrasing, tail_words,
+                            unserved_chores)
 
 from kserve.chat import normalize_tool_call_ids, render_prompt
 
@@ -338,14 +339,14 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     (training only), the weather questions include WEATHER_QUESTIONS_PLAIN_TRAIN ("What is the weather in Paris?");
     with `unserved_requests` (training only), chores no tool does, in the training wrappers, join the plain chats
     as one more entry ("Please mow the lawn."), and with `chores_beside_weather` `get_weather` is declared beside
-    each of them; `history_share` of the conversations come after a long history of
-    earlier exchanges (`add_history`)."""
+    each of them; `history_share` of the conversations come after a long history of earlier exchanges
+    (`add_history`)."""
     if (echo_share or noise_share or tail_share or link_share or link_tail_share or question_chats
             or weather_share or thanks_closer_share or help_me_to or composed_chats or weather_plain
             or unserved_requests or chores_beside_weather) and split != "train":
         raise ValueError("echo requests, noise, tails, link words, question chats, weather questions, thanks "
-                         "closers, \"Help me to\", composed chats, plain weather forms and unserved requests are "
-                         "for training only")
+                         "closers, \"Help me to\", composed chats, plain weather forms, unserved requests and "
+                         "chores beside the weather tool are for training only")
     rng = random.Random(f"{split}:{seed}")
     pool = build_tools()
     style = phrasing(split)
@@ -371,8 +372,7 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     if chores_beside_weather:  # the chores probe's misses are get_weather calls: the tool alone is no reason to call
         if not unserved_requests:
             raise ValueError("chores beside the weather tool need the unserved requests")
-        topic = unserved_chores(())[0][2]
-        style = dataclasses.replace(style, declared_beside={topic: "get_weather"})
+        style = dataclasses.replace(style, declared_beside={UNSERVED_CHORE_TOPIC: "get_weather"})
     weather = next(t for t in pool if t.name == "get_weather")
     weather_questions = WEATHER_QUESTIONS_TRAIN + (WEATHER_QUESTIONS_PLAIN_TRAIN if weather_plain else ())
     weather_style = dataclasses.replace(style, questions={"get_weather": weather_questions})

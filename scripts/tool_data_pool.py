@@ -638,13 +638,16 @@ UNSERVED_TASKS_TRAIN = (
 )
 
 
+UNSERVED_CHORE_TOPIC = "asks for a chore none of my tools can do"
+
+
 def unserved_chores(wrappers: tuple[str, ...]) -> tuple:
     """One plain-chat entry: every chore of UNSERVED_TASKS_TRAIN in every wrapper of `wrappers`, answered
     with a plain refusal."""
     asks = {w.format(intent=task, Intent=task[0].upper() + task[1:])
             for w in wrappers for task in UNSERVED_TASKS_TRAIN}
     return ((tuple(sorted(asks)), "Sorry, I can't do that: none of my tools can.",
-             "asks for a chore none of my tools can do"),)
+             UNSERVED_CHORE_TOPIC),)
 
 
 PLAIN_CHATS_HELDOUT = (
