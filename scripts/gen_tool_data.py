@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tool_data_pool import (ECHO_WRAPPERS_TRAIN, PLAIN_CHATS_PROBE, PLAIN_QUESTION_CHATS_TRAIN, SYSTEM_PROMPTS,
                             UNSERVED_CHORE_TOPIC, WEATHER_QUESTIONS_PLAIN_TRAIN, WEATHER_QUESTIONS_TRAIN, Phrasing,
-                            Tool, add_link_tail, add_noise, add_tail, build_tools, composed_small_talk,
-                            echo_vocabulary, link_joiner, link_words, noise_vocabulary, phrasing, tail_words,
-                            unserved_chores)
+                            Tool, add_link_tail, add_noise, add_tail, build_tools, composed_sign_offs,
+                            composed_small_talk, echo_vocabulary, link_joiner, link_words, noise_vocabulary, phrasing,
+                            tail_words, unserved_chores)
 
 from kserve.chat import normalize_tool_call_ids, render_prompt
 
@@ -323,7 +323,8 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
              question_chats: bool = False, weather_share: float = 0.0,
              thanks_closer_share: float = 0.0, help_me_to: bool = False,
              composed_chats: bool = False, weather_plain: bool = False,
-             unserved_requests: bool = False, chores_beside_weather: bool = False) -> list[dict]:
+             unserved_requests: bool = False, chores_beside_weather: bool = False,
+             composed_closers: bool = False) -> list[dict]:
     """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
     `noise_share` (training only), each literal part of a request gets noise words with that probability; with
     `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability;
@@ -339,11 +340,12 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     (training only), the weather questions include WEATHER_QUESTIONS_PLAIN_TRAIN ("What is the weather in Paris?");
     with `unserved_requests` (training only), chores no tool does, in the training wrappers, join the plain chats
     as one more entry ("Please mow the lawn."), and with `chores_beside_weather` `get_weather` is declared beside
-    each of them; `history_share` of the conversations come after a long history of earlier exchanges
+    each of them; with `composed_closers` the thanks closers include the composed thanks and goodbyes
+    (`composed_sign_offs`); `history_share` of the conversations come after a long history of earlier exchanges
     (`add_history`)."""
     if (echo_share or noise_share or tail_share or link_share or link_tail_share or question_chats
             or weather_share or thanks_closer_share or help_me_to or composed_chats or weather_plain
-            or unserved_requests or chores_beside_weather) and split != "train":
+            or unserved_requests or chores_beside_weather or composed_closers) and split != "train":
         raise ValueError("echo requests, noise, tails, link words, question chats, weather questions, thanks "
                          "closers, \"Help me to\", composed chats, plain weather forms, unserved requests and "
                          "chores beside the weather tool are for training only")
@@ -364,7 +366,11 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
                                     link_tail_share=link_tail_share, link_inline=link_inline)
     if thanks_closer_share:
         thanks = tuple(ask for asks, _, topic in style.plain if topic == "thanks me" for ask in asks)
+        if composed_closers:  # unseen sign-offs after one task ("Much obliged.") read as a second task
+            thanks += composed_sign_offs()
         style = dataclasses.replace(style, thanks=thanks, thanks_share=thanks_closer_share)
+    elif composed_closers:
+        raise ValueError("composed closers are thanks closers: give thanks_closer_share with them")
     if composed_chats:  # after the thanks closers, which stay the listed chats
         style = dataclasses.replace(style, plain=style.plain + composed_small_talk())
     if unserved_requests:  # after "Help me to", so the chores are framed as the tool requests are

@@ -625,6 +625,13 @@ def composed_small_talk() -> tuple:
     return tuple(entries)
 
 
+def composed_sign_offs() -> tuple[str, ...]:
+    """The composed thanks and goodbyes (`--composed-closers`): after a request they end it, so the sign-offs a
+    request may close with are a class too, not the thanks chats alone."""
+    return tuple(ask for asks, _, topic in composed_small_talk() if topic in ("thanks me", "says goodbye")
+                 for ask in asks)
+
+
 # Requests for chores no tool in the pool does (training only, `--unserved-requests`), asked in the training
 # wrappers that frame tool requests, so the frame alone does not mean a call: history draws called get_weather
 # for "Fill in the form." (a grammar test's request). It did not carry there (docs/embedded_model.md).

@@ -488,6 +488,8 @@ TRAINING_DATA_FLAGS = (
     ("--unserved-requests", True, "plain chats include chores no tool does in the training wrappers, \"Please mow "
                                   "the lawn.\""),
     ("--chores-beside-weather", True, "get_weather is declared beside every chore of --unserved-requests"),
+    ("--composed-closers", False, "the thanks closers include the composed thanks and goodbyes, \"Bye pal, off I "
+                                  "go.\""),
 )
 
 

@@ -837,3 +837,32 @@ def test_joiner_probe_requests_hold_both_tasks_around_the_joiner_and_declare_the
             for part, call in ((first, calls[0]), (second, calls[1])):
                 assert any(fill(i, call["arguments"]).lower() in part.lower() for i in tools[call["name"]].intents), (
                     part, call)
+
+
+def test_composed_closers_end_requests_with_composed_sign_offs_that_no_unseen_split_holds():
+    """`--composed-closers` (off in the recipe): a request's thanks closer may be a composed thanks or goodbye
+    ("Bye pal, off I go."); the request still gets its calls only, and no sign-off is an unseen split's closer
+    or chat, so `heldout`'s " Much obliged." stays unseen."""
+    from tool_data_pool import CLOSERS_FRESH, PLAIN_CHATS_FRESH, PLAIN_CHATS_HELDOUT, PLAIN_CHATS_PROBE, \
+        composed_sign_offs
+
+    assert RECIPE.composed_closers is False
+    with pytest.raises(ValueError):
+        generate(1, 2, "heldout", composed_closers=True)
+    with pytest.raises(ValueError):
+        generate(1, 2, composed_closers=True)
+    sign_offs = composed_sign_offs()
+    unseen = {c.strip() for c in CLOSERS_HELDOUT + CLOSERS_FRESH} | {
+        ask for asks, *_ in PLAIN_CHATS_HELDOUT + PLAIN_CHATS_FRESH + PLAIN_CHATS_PROBE for ask in asks}
+    assert len(sign_offs) > 500 and not unseen & set(sign_offs)
+    listed = {ask for asks, _, topic in PLAIN_CHATS if topic == "thanks me" for ask in asks}
+    new = tuple(s for s in sign_offs if s not in listed and " " + s not in CLOSERS_TRAIN)
+
+    def closed(rows):
+        return [r for r in rows if r["messages"][r["eval_turn"] - 1]["content"].endswith(tuple(" " + s for s in new))]
+
+    rows = generate(0, 400, plain_share=0.0, thanks_closer_share=1.0, composed_closers=True)
+    assert len(closed(rows)) > 0.5 * len(rows)
+    for row in closed(rows):
+        assert row["expect"]["kind"] == "tool_calls" and 1 <= len(row["expect"]["calls"]) <= 2
+    assert not closed(generate(0, 400, plain_share=0.0, thanks_closer_share=1.0))
