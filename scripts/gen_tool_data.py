@@ -347,8 +347,8 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
             or weather_share or thanks_closer_share or help_me_to or composed_chats or weather_plain
             or unserved_requests or chores_beside_weather or composed_closers) and split != "train":
         raise ValueError("echo requests, noise, tails, link words, question chats, weather questions, thanks "
-                         "closers, \"Help me to\", composed chats, plain weather forms, unserved requests and "
-                         "chores beside the weather tool are for training only")
+                         "closers, \"Help me to\", composed chats, plain weather forms, unserved requests, "
+                         "chores beside the weather tool and composed closers are for training only")
     rng = random.Random(f"{split}:{seed}")
     pool = build_tools()
     style = phrasing(split)
@@ -366,7 +366,7 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
                                     link_tail_share=link_tail_share, link_inline=link_inline)
     if thanks_closer_share:
         thanks = tuple(ask for asks, _, topic in style.plain if topic == "thanks me" for ask in asks)
-        if composed_closers:  # unseen sign-offs after one task ("Much obliged.") read as a second task
+        if composed_closers:  # so an unseen sign-off after one task ("Much obliged.") reads as no second task
             thanks += composed_sign_offs()
         style = dataclasses.replace(style, thanks=thanks, thanks_share=thanks_closer_share)
     elif composed_closers:
