@@ -371,7 +371,7 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
         style = dataclasses.replace(style, thanks=thanks, thanks_share=thanks_closer_share)
     elif composed_closers:
         raise ValueError("composed closers are thanks closers: give thanks_closer_share with them")
-    if composed_chats:  # after the thanks closers, which stay the listed chats
+    if composed_chats:  # after the thanks closers, which stay the listed chats unless composed_closers
         style = dataclasses.replace(style, plain=style.plain + composed_small_talk())
     if unserved_requests:  # after "Help me to", so the chores are framed as the tool requests are
         style = dataclasses.replace(style, plain=style.plain + unserved_chores(style.wrappers))
