@@ -113,6 +113,33 @@ def test_stream_accumulates_to_the_non_streamed_response(client, ctx):
     assert final.usage.output_tokens == plain.usage.output_tokens
 
 
+def test_output_text_logprobs_are_the_message_tokens_only_streamed_and_not(client, ctx):
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: one entry per token of the message text,
+    none for the thought before it or the end-of-turn token; the stream's deltas carry the same tokens."""
+    kw = {"model": ctx.model_name, "input": "Pick a color.", "temperature": 0, "max_output_tokens": 48,
+          "text_format": Verdict, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    plain = client.responses.parse(**kw)
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert plain.top_logprobs == 2 and plain.output[0].type == "reasoning"  # a thought whose tokens stay out
+    part = next(item for item in plain.output if item.type == "message").content[0]
+    assert part.logprobs and "".join(lp.token for lp in part.logprobs) == part.text
+    for lp in part.logprobs:
+        assert lp.logprob <= 0 and bytes(lp.bytes).decode() == lp.token and 1 <= len(lp.top_logprobs) <= 2
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    final_part = next(item for item in final.output if item.type == "message").content[0]
+    tokens = [lp.token for lp in part.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in done.logprobs] == tokens
+    assert [lp.token for lp in final_part.logprobs] == tokens
+    without = client.responses.parse(**{k: v for k, v in kw.items() if k != "include"})
+    assert not next(item for item in without.output if item.type == "message").content[0].logprobs
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=ctx.model_name, input="hi", top_logprobs=21)
+    assert info.value.body["param"] == "top_logprobs"
+
+
 def test_function_call_streamed_and_not(client, ctx):
     plain = _forced_call(client, ctx)
     with client.responses.stream(model=ctx.model_name, input=QUESTION, tools=[WEATHER], tool_choice="required",

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kserve.chat import ToolCall as ParsedToolCall
+from kserve.engine.outputs import TokenLogprob
 from kserve.server.context import ServingContext
+from kserve.server.logprobs import VisibleTokens
 from kserve.server.outcome import unfinished
 from kserve.server.protocol import ChatDelta, ToolCallDeltaOut
 from kserve.server.serving_chat import (
@@ -43,6 +45,7 @@ class FinishedTurn:
     finish_reason: str  # "stop" | "length" | "tool_calls"
     stop_sequence: str | None  # the stop string that ended it, if one did
     usage: TurnUsage
+    logprobs: list[TokenLogprob] | None = None  # the visible text's tokens, when the request asked for logprobs
 
     def arguments(self, call: ParsedToolCall) -> str:
         return call.arguments or NO_ARGUMENTS
@@ -55,6 +58,7 @@ class TurnDelta:
     reasoning: str = ""
     content: str = ""
     calls: list[ToolCallDeltaOut] = field(default_factory=list)  # header (id, name) once, then arguments
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens of `content`, when asked for
 
     @classmethod
     def of(cls, delta: ChatDelta) -> TurnDelta:
@@ -88,7 +92,12 @@ async def run_turn(ctx: ServingContext, prep: PreparedChat, request: Any) -> Fin
     reasoning, text, calls, finish = parse_choice(ctx, prep, output)
     usage = _usage(prep, final)
     _record(ctx, usage, first_token, start)
-    return FinishedTurn(reasoning, text, calls, finish, _stop_sequence(output), usage)
+    logprobs = None
+    if prep.req.logprobs:
+        visible = VisibleTokens(ctx.tokenizer)
+        visible.extend(output.logprobs or [])
+        logprobs = visible.take(text)
+    return FinishedTurn(reasoning, text, calls, finish, _stop_sequence(output), usage, logprobs)
 
 
 async def stream_turn(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[TurnEvent]:
@@ -102,6 +111,8 @@ async def stream_turn(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
     final = None
     reasoning: list[str] = []
     content: list[str] = []
+    visible = VisibleTokens(ctx.tokenizer) if prep.req.logprobs else None
+    logprobs: list[TokenLogprob] = []
     try:
         async for out in engine_generate(ctx, prep):
             final = out
@@ -111,10 +122,15 @@ async def stream_turn(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
             finished = output.finish_reason is not None
             new_text, state.text_sent = output.text[state.text_sent:], len(output.text)
             # In output order: one engine step may add text after a call, which must not jump ahead of it.
+            if visible is not None:
+                visible.extend(output.logprobs or [])
             for piece in state.advance_in_order(new_text, final=finished):
                 delta = TurnDelta.of(piece)
                 reasoning.append(delta.reasoning)
                 content.append(delta.content)
+                if visible is not None and delta.content:
+                    delta.logprobs = visible.take("".join(content))
+                    logprobs += delta.logprobs
                 yield delta
             if finished:
                 calls, finish = state.finish(ctx, prep, output.finish_reason)
@@ -122,7 +138,7 @@ async def stream_turn(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
                 _record(ctx, usage, first_token, start)
                 saw_reasoning = state.reasoning_parser is not None and state.reasoning_parser.saw_reasoning
                 yield FinishedTurn("".join(reasoning) if saw_reasoning else None, "".join(content), calls, finish,
-                                   _stop_sequence(output), usage)
+                                   _stop_sequence(output), usage, logprobs if visible is not None else None)
                 return
         raise unfinished()
     finally:

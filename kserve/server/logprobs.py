@@ -1,10 +1,13 @@
-"""Engine logprobs (`TokenLogprob`) in the two OpenAI shapes: chat `content[]` and legacy completions."""
+"""Engine logprobs (`TokenLogprob`) in the OpenAI shapes: chat `content[]` (also Responses' `output_text`) and
+legacy completions; and which generated tokens spell the visible text, for Responses."""
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from typing import Any
 
+from kserve.chat.markers import THINK_END
 from kserve.engine.outputs import TokenLogprob
 from kserve.server.protocol import CompletionLogprobs, TokenLogprobEntry, TopLogprob
 
@@ -41,3 +44,42 @@ def completion_logprobs(
         result.text_offset.append(offset)
         offset += len(text)
     return result
+
+
+class VisibleTokens:
+    """Picks the tokens that spell a turn's visible text out of all it generated (reasoning, `</think>`, call
+    markers and EOS are not part of Responses' `output_text`). Feed it the growing logprob list; `take(text)`
+    gives the entries not yet taken whose text overlaps `text`, which starts after the first `</think>`."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._entries: list[TokenLogprob] = []
+        self._pieces: list[str] = []
+        self._ends: list[int] = []  # character offset where each token's text ends
+        self._taken = 0
+
+    def extend(self, entries: Sequence[TokenLogprob]) -> None:
+        for entry in entries[len(self._entries):]:
+            self._entries.append(entry)
+            self._pieces.append(self._decoder.decode(self._tokenizer.token_bytes(entry.token_id)))
+            self._ends.append((self._ends[-1] if self._ends else 0) + len(self._pieces[-1]))
+
+    def take(self, text: str) -> list[TokenLogprob]:
+        if not text:
+            return []
+        spelled = "".join(self._pieces)
+        after_reasoning = spelled.find(THINK_END)
+        start = spelled.find(text, after_reasoning + len(THINK_END) if after_reasoning >= 0 else 0)
+        if start < 0:
+            return []
+        end = start + len(text)
+        out: list[TokenLogprob] = []
+        for i in range(self._taken, len(self._entries)):
+            begin = self._ends[i - 1] if i else 0
+            if begin >= end:
+                break
+            if self._ends[i] > start:
+                out.append(self._entries[i])
+            self._taken = i + 1
+        return out

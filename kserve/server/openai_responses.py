@@ -18,13 +18,16 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from kserve.engine.outputs import TokenLogprob
 from kserve.server.chat_request import function_tool
 from kserve.server.chat_turn import FinishedTurn, TurnDelta, run_turn, stream_turn
 from kserve.server.context import ServingContext
 from kserve.server.errors import APIError, bad_request, stream_failure
+from kserve.server.logprobs import chat_logprobs
 from kserve.server.media import image_part, require_image_support
 from kserve.server.protocol import ChatCompletionRequest
 from kserve.server.responses_protocol import (
+    INCLUDE_OUTPUT_LOGPROBS,
     UNSUPPORTED_RESPONSES_FIELDS,
     NamedFunctionChoice,
     ResponsesRequest,
@@ -277,6 +280,9 @@ def chat_body(req: ResponsesRequest, conversation: list[tuple[str, dict[str, Any
     for name in ("temperature", "top_p", "user"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
+    if INCLUDE_OUTPUT_LOGPROBS in (req.include or []):  # as OpenAI: `top_logprobs` alone returns none
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
     return body
 
 
@@ -386,13 +392,21 @@ def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": [_reasoning_part(text)]}
 
 
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [_output_text(text)]
+def _message_item(item_id: str, text: str | None, status: str,
+                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    content = [] if text is None else [_output_text(text, logprobs)]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _logprobs(ctx: ServingContext, prep: PreparedResponse, entries: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+    """Engine logprobs in the `output_text.logprobs` shape (the chat one: token, logprob, bytes, top_logprobs)."""
+    if not entries:
+        return []
+    return [entry.model_dump() for entry in chat_logprobs(ctx.tokenizer, entries, prep.chat.top_logprobs)]
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -404,13 +418,13 @@ def _item_status(turn: FinishedTurn) -> str:
     return "incomplete" if turn.finish_reason == "length" else "completed"
 
 
-def output_items(turn: FinishedTurn) -> list[dict[str, Any]]:
+def output_items(turn: FinishedTurn, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Reasoning, message, calls; the last item is `incomplete` when max_output_tokens cut the turn."""
     items: list[dict[str, Any]] = []
     if turn.reasoning:
         items.append(_reasoning_item(_new_id("rs"), turn.reasoning))
     if turn.content or not turn.calls:
-        items.append(_message_item(_new_id("msg"), turn.content, "completed"))
+        items.append(_message_item(_new_id("msg"), turn.content, "completed", logprobs))
     for call in turn.calls:
         items.append(_call_item(_new_id("fc"), call.id, call.name, turn.arguments(call), "completed"))
     if "status" in items[-1]:
@@ -434,7 +448,8 @@ def response_object(ctx: ServingContext, prep: PreparedResponse, *, status: str,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": raw.get("text") or {"format": {"type": "text"}},
         "tool_choice": raw.get("tool_choice") or "auto", "tools": raw.get("tools") or [],
-        "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": req.truncation or "disabled",
+        "top_p": 1.0 if req.top_p is None else req.top_p, "top_logprobs": req.top_logprobs,
+        "truncation": req.truncation or "disabled",
         "usage": usage, "user": req.user, "metadata": req.metadata or {},
     }
 
@@ -453,7 +468,7 @@ def _finished(ctx: ServingContext, store: ResponseStore, prep: PreparedResponse,
 async def run_response(ctx: ServingContext, store: ResponseStore, prep: PreparedResponse,
                        request: Any) -> dict[str, Any]:
     turn = await run_turn(ctx, prep.chat, request)
-    return _finished(ctx, store, prep, turn, output_items(turn))
+    return _finished(ctx, store, prep, turn, output_items(turn, _logprobs(ctx, prep, turn.logprobs)))
 
 
 def get_response(store: ResponseStore, response_id: str) -> dict[str, Any]:
@@ -517,6 +532,7 @@ class _EventWriter:
         self.output: list[dict[str, Any]] = []  # finished items, in output order
         self.item: dict[str, Any] | None = None  # the open item
         self.text = ""  # the open item's text (message/reasoning) or arguments (function_call)
+        self.logprobs: list[dict[str, Any]] = []  # the open message's, when the request asked for them
         self.call_index: int | None = None
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -528,7 +544,7 @@ class _EventWriter:
 
     def _open(self, item: dict[str, Any]) -> list[str]:
         events = self.close("completed")
-        self.item, self.text = item, ""
+        self.item, self.text, self.logprobs = item, "", []
         events.append(self.event("response.output_item.added", output_index=self.index, item=item))
         part = {"message": _output_text(""), "reasoning": _reasoning_part("")}.get(item["type"])
         if part is not None:
@@ -543,11 +559,11 @@ class _EventWriter:
         where = {"item_id": item["id"], "output_index": self.index}
         events: list[str] = []
         if item["type"] == "message":
-            done = _message_item(item["id"], self.text, status)
+            done = _message_item(item["id"], self.text, status, self.logprobs)
             events.append(self.event("response.output_text.done", **where, content_index=0, text=self.text,
-                                     logprobs=[]))
+                                     logprobs=self.logprobs))
             events.append(self.event("response.content_part.done", **where, content_index=0,
-                                     part=_output_text(self.text)))
+                                     part=_output_text(self.text, self.logprobs)))
         elif item["type"] == "reasoning":
             done = _reasoning_item(item["id"], self.text)
             events.append(self.event("response.reasoning_text.done", **where, content_index=0, text=self.text))
@@ -562,7 +578,9 @@ class _EventWriter:
         self.item = None
         return events
 
-    def feed(self, delta: TurnDelta) -> list[str]:
+    def feed(self, delta: TurnDelta, logprobs: list[dict[str, Any]] | None = None) -> list[str]:
+        """Events for one delta; `logprobs` are its text's, in the wire shape."""
+        logprobs = logprobs or []
         events: list[str] = []
         if delta.reasoning:
             if self.item is None or self.item["type"] != "reasoning":
@@ -574,8 +592,9 @@ class _EventWriter:
             if self.item is None or self.item["type"] != "message":
                 events += self._open(_message_item(_new_id("msg"), None, "in_progress"))
             events.append(self.event("response.output_text.delta", item_id=self.item["id"], output_index=self.index,
-                                     content_index=0, delta=delta.content, logprobs=[]))
+                                     content_index=0, delta=delta.content, logprobs=logprobs))
             self.text += delta.content
+            self.logprobs += logprobs
         for call in delta.calls:
             if call.id is not None:
                 events += self._open(_call_item(_new_id("fc"), call.id, call.function.name, "", "in_progress"))
@@ -606,7 +625,7 @@ async def stream_response(ctx: ServingContext, store: ResponseStore, prep: Prepa
         async with contextlib.aclosing(stream_turn(ctx, prep.chat)) as events:  # closing aborts the engine request
             async for event in events:
                 if isinstance(event, TurnDelta):
-                    for text in writer.feed(event):
+                    for text in writer.feed(event, _logprobs(ctx, prep, event.logprobs)):
                         yield text
                     continue
                 for text in writer.finish(event):

@@ -12,7 +12,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kserve.server.protocol import StrictRequest
+from kserve.server.protocol import MAX_TOP_LOGPROBS, StrictRequest
+
+# The one `include` value this server acts on; others (encrypted reasoning, tool sources) name data it never has.
+INCLUDE_OUTPUT_LOGPROBS = "message.output_text.logprobs"
 
 UNSUPPORTED_RESPONSES_FIELDS: Mapping[str, str] = MappingProxyType({
     "background": "background responses are not supported",
@@ -63,6 +66,8 @@ class ResponsesRequest(StrictRequest):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    include: list[str] | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     store: bool | None = None
