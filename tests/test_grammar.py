@@ -64,6 +64,21 @@ def test_required_binds_names_and_arguments(k2):
     assert run(tok, g, SECTION_BEGIN + call_text("get_weather", 0, '{"city": 3}') + SECTION_END)[0] is False
 
 
+def test_a_strict_tool_holds_no_key_its_schema_does_not_list(k2):
+    """JSON Schema lets an object without `additionalProperties` take any other key, and the tiny model's
+    arguments often add one; a `strict` tool, as OpenAI's strict mode, closes such objects (free-form ones stay)."""
+    tok, compiler = k2
+    extra = SECTION_BEGIN + call_text("get_weather", 0, '{"city": "Paris", "unit": "C"}') + SECTION_END
+    listed = SECTION_BEGIN + call_text("get_weather", 0, '{"city": "Paris"}') + SECTION_END
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    assert run(tok, compiler.compile(GrammarSpec.tools([WEATHER], "required")), extra) == (True, True)
+    assert run(tok, compiler.compile(GrammarSpec.tools([strict], "required")), extra)[0] is False
+    assert run(tok, compiler.compile(GrammarSpec.tools([strict], "required")), listed) == (True, True)
+    free = {"type": "function", "function": {"name": "log", "parameters": {"type": "object"}, "strict": True}}
+    anything = SECTION_BEGIN + call_text("log", 0, '{"level": "info"}') + SECTION_END
+    assert run(tok, compiler.compile(GrammarSpec.tools([free], "required")), anything) == (True, True)
+
+
 def test_marker_token_cannot_hide_inside_a_json_string(k2):
     tok, compiler = k2
     g = compiler.compile(GrammarSpec.tools([WEATHER], "required"))

@@ -78,7 +78,8 @@ class GrammarSpec:
         answer: dict[str, Any] | bool | None = None,
     ) -> "GrammarSpec":
         """`tools` are OpenAI tool objects; non-strict tools still bind names, and bind arguments
-        to their schema (a tool-call must at least be a JSON object)."""
+        to their schema (a tool-call must at least be a JSON object); a strict tool's arguments hold no key its
+        schema does not list (`json_value_ebnf`'s `closed`)."""
         functions = [_tool_function(t) for t in tools]
         if answer is not None and mode != "auto":
             raise GrammarError("an answer schema applies only when the model may answer instead of calling")
@@ -98,7 +99,7 @@ def _tool_function(tool: dict[str, Any]) -> dict[str, Any]:
     params = fn.get("parameters")
     if params is None:
         params = {"type": "object"}
-    return {"name": name, "parameters": params}
+    return {"name": name, "parameters": params, "strict": fn.get("strict") is True}
 
 
 class TokenMatcher:
@@ -194,7 +195,7 @@ class GrammarCompiler:
                     st.ConstStringFormat(value=f"functions.{fn['name']}:"),
                     st.RegexFormat(pattern=rf"[0-9]{{1,{MAX_CALL_INDEX_DIGITS}}}"),
                     st.TokenFormat(token=ids[ARGUMENT_BEGIN]),
-                    st.GrammarFormat(grammar=json_value_ebnf(fn["parameters"])),
+                    st.GrammarFormat(grammar=json_value_ebnf(fn["parameters"], closed=fn["strict"])),
                     st.TokenFormat(token=ids[CALL_END]),
                 ]
             )
@@ -227,12 +228,14 @@ class GrammarCompiler:
         return st.StructuralTag(format=fmt)
 
 
-def json_value_ebnf(schema: dict[str, Any] | bool) -> str:
-    """EBNF for one JSON value matching `schema`, with bounded whitespace and strict strings."""
+def json_value_ebnf(schema: dict[str, Any] | bool, closed: bool = False) -> str:
+    """EBNF for one JSON value matching `schema`, with bounded whitespace and strict strings. `closed` (a
+    `strict` tool): an object that lists `properties` and leaves `additionalProperties` unset allows no other
+    keys, as OpenAI's strict mode; otherwise JSON Schema's default (any other key) holds."""
     import xgrammar as xgr
 
     grammar = xgr.Grammar.from_json_schema(
-        schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=False
+        schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=closed
     )
     ebnf = str(grammar)
     for loose in _XGRAMMAR_STRING_CHARS:

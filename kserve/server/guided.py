@@ -48,6 +48,13 @@ def grammar_spec(
     return GrammarSpec.json_object() if response_format.type == "json_object" else GrammarSpec.json_schema(answer)
 
 
+def with_default_strict(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """`tools` with `strict: true` where a function leaves it unset."""
+    if not tools:
+        return tools
+    return [{**tool, "function": {"strict": True, **tool["function"]}} for tool in tools]
+
+
 def _answer_schema(response_format: ResponseFormat | None) -> dict[str, Any] | bool | None:
     if response_format is None:
         return None

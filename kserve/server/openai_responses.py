@@ -234,6 +234,13 @@ def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
     return tools
 
 
+def _echoed_tools(raw: dict[str, Any]) -> list[Any]:
+    """The request's tools as the response lists them: a function's `strict` as applied."""
+    tools = raw.get("tools") or []
+    return [{**tool, "strict": tool.get("strict") is not False}
+            if isinstance(tool, dict) and tool.get("type") == "function" else tool for tool in tools]
+
+
 def _chat_tool_choice(choice: str | NamedFunctionChoice) -> str | dict[str, Any]:
     if isinstance(choice, str):
         return choice
@@ -304,7 +311,8 @@ async def _prepare_chat(ctx: ServingContext, req: ResponsesRequest,
                         conversation: list[tuple[str, dict[str, Any]]]) -> PreparedChat:
     body = chat_body(req, conversation)
     try:
-        return await prepare_chat(ctx, ChatCompletionRequest.model_validate(body), body)
+        # Responses, unlike chat completions, holds a function to its schema unless it says `strict: false`
+        return await prepare_chat(ctx, ChatCompletionRequest.model_validate(body), body, strict_by_default=True)
     except APIError as exc:  # the conversation as a whole (too long, unrenderable) is this API's `input`
         if exc.param == "messages":
             exc.param = "input"
@@ -447,7 +455,7 @@ def response_object(ctx: ServingContext, prep: PreparedResponse, *, status: str,
         "previous_response_id": req.previous_response_id, "reasoning": reasoning, "store": prep.store,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": raw.get("text") or {"format": {"type": "text"}},
-        "tool_choice": raw.get("tool_choice") or "auto", "tools": raw.get("tools") or [],
+        "tool_choice": raw.get("tool_choice") or "auto", "tools": _echoed_tools(raw),
         "top_p": 1.0 if req.top_p is None else req.top_p, "top_logprobs": req.top_logprobs,
         "truncation": req.truncation or "disabled",
         "usage": usage, "user": req.user, "metadata": req.metadata or {},

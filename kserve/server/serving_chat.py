@@ -28,7 +28,7 @@ from kserve.server.context import (
     new_request_id,
 )
 from kserve.server.errors import APIError, logged_stream_failure
-from kserve.server.guided import after_reasoning, compile_grammar, grammar_spec
+from kserve.server.guided import after_reasoning, compile_grammar, grammar_spec, with_default_strict
 from kserve.server.logprobs import chat_logprobs
 from kserve.server.media import check_context, image_inputs, prompt_with_images
 from kserve.server.outcome import client_gone, finish_reason, unfinished, usage_info
@@ -75,8 +75,11 @@ class PreparedChat:
         return calls if self.max_calls is None else calls[: self.max_calls]
 
 
-async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, Any]) -> PreparedChat:
-    """Everything checked and encoded before generation; `raw` is the body as sent (for fields the model drops)."""
+async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dict[str, Any], *,
+                       strict_by_default: bool = False) -> PreparedChat:
+    """Everything checked and encoded before generation; `raw` is the body as sent (for fields the model drops).
+    `strict_by_default` (Responses) makes a tool without `strict` strict for the grammar; the prompt shows it as
+    sent."""
     rendered = render_chat(ctx, req, raw)
     tools, tool_choice = rendered.tools, rendered.tool_choice
     prompt_ids, loaded = await prompt_with_images(ctx, rendered.prompt_ids, rendered.images)
@@ -86,7 +89,8 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: dic
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = fit_max_tokens(len(prompt_ids), requested, ctx.max_model_len)
     spec = grammar_spec(
-        req.response_format, tools, tool_choice, req.parallel_tool_calls,
+        req.response_format, with_default_strict(tools) if strict_by_default else tools, tool_choice,
+        req.parallel_tool_calls,
         guided_decoding=ctx.settings.guided_decoding, tool_grammar=ctx.settings.tool_grammar,
     )
     # Under thinking the grammar constrains what follows the reasoning, never the reasoning itself.
