@@ -129,7 +129,7 @@ async def stream_turn(ctx: ServingContext, prep: PreparedChat) -> AsyncIterator[
                 reasoning.append(delta.reasoning)
                 content.append(delta.content)
                 if visible is not None and delta.content:
-                    delta.logprobs = visible.take("".join(content))
+                    delta.logprobs = visible.take(delta.content)
                     logprobs += delta.logprobs
                 yield delta
             if finished:

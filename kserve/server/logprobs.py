@@ -48,36 +48,42 @@ def completion_logprobs(
 
 class VisibleTokens:
     """Picks the tokens that spell a turn's visible text out of all it generated (reasoning, `</think>`, call
-    markers and EOS are not part of Responses' `output_text`). Feed it the growing logprob list; `take(text)`
-    gives the entries not yet taken whose text overlaps `text`, which starts after the first `</think>`."""
+    markers and EOS are not part of Responses' `output_text`). Feed it the growing logprob list, then each new
+    piece of the visible text: the first piece is found after the first `</think>`, each later one must follow
+    it in the tokens' text (text after a tool call does not, and gets none)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._entries: list[TokenLogprob] = []
-        self._pieces: list[str] = []
-        self._ends: list[int] = []  # character offset where each token's text ends
+        self._spelled = ""  # the tokens' text so far
+        self._ends: list[int] = []  # where each token's text ends in it
         self._taken = 0
+        self._end: int | None = None  # where the visible text so far ends in it; None before the first piece
+        self._lost = False  # the visible text stopped following the tokens' text
 
     def extend(self, entries: Sequence[TokenLogprob]) -> None:
         for entry in entries[len(self._entries):]:
             self._entries.append(entry)
-            self._pieces.append(self._decoder.decode(self._tokenizer.token_bytes(entry.token_id)))
-            self._ends.append((self._ends[-1] if self._ends else 0) + len(self._pieces[-1]))
+            self._spelled += self._decoder.decode(self._tokenizer.token_bytes(entry.token_id))
+            self._ends.append(len(self._spelled))
 
-    def take(self, text: str) -> list[TokenLogprob]:
-        if not text:
+    def take(self, piece: str) -> list[TokenLogprob]:
+        """The entries, not taken before, of the tokens that spell `piece`, the visible text's next piece."""
+        if not piece or self._lost:
             return []
-        spelled = "".join(self._pieces)
-        after_reasoning = spelled.find(THINK_END)
-        start = spelled.find(text, after_reasoning + len(THINK_END) if after_reasoning >= 0 else 0)
+        if self._end is None:
+            after = self._spelled.find(THINK_END)
+            start = self._spelled.find(piece, after + len(THINK_END) if after >= 0 else 0)
+        else:
+            start = self._end if self._spelled.startswith(piece, self._end) else -1
         if start < 0:
+            self._lost = True
             return []
-        end = start + len(text)
+        self._end = start + len(piece)
         out: list[TokenLogprob] = []
         for i in range(self._taken, len(self._entries)):
-            begin = self._ends[i - 1] if i else 0
-            if begin >= end:
+            if (self._ends[i - 1] if i else 0) >= self._end:
                 break
             if self._ends[i] > start:
                 out.append(self._entries[i])
