@@ -473,6 +473,7 @@ TRAINING_DATA_SHARES = (
     ("--thanks-closer-share", 0.1, "chance that a training request ends in a plain chat that thanks, "
                                    "\"Appreciate it.\""),
     ("--plain-share", 0.35, "share of the conversations that are plain chats, the rest tool requests"),
+    ("--thinking-share", 0.85, "share of the conversations that think; the rest are trained with thinking off"),
     ("--history-share", 0.02, "share of conversations after a long history of earlier exchanges; give --max-len "
                              "3072 with it"),
 )
