@@ -443,6 +443,24 @@ def test_link_words_alone_join_two_tasks_and_share_no_word_with_an_unseen_split_
         assert len(pairs) > 20
 
 
+def test_thinking_share_sets_how_many_training_conversations_think_and_the_rest_render_thinking_off():
+    """`--thinking-share` (0.85 in the recipe): that share of the training conversations carry a thought in every
+    assistant turn; the rest carry none and render each assistant turn after an empty `<think></think>`, as a
+    thinking-off request is prompted. The conversations themselves are the same at any share."""
+    assert RECIPE.thinking_share == 0.85
+    for share in (0.85, 0.6):
+        rows = generate(0, 600, "train", thinking_share=share)
+        thinking = [r for r in rows if r["thinking"]]
+        assert abs(len(thinking) / len(rows) - share) < 0.06, (share, len(thinking))
+        for row in rows:
+            turns = [m for m in row["messages"] if m["role"] == "assistant"]
+            assert all(("reasoning_content" in m) == row["thinking"] for m in turns), row["messages"]
+            assert (row["text"].count("<think></think>") == len(turns)) != row["thinking"], row["text"]
+    fewer = generate(0, 100, "train", thinking_share=0.6)
+    more = generate(0, 100, "train", thinking_share=0.85)
+    assert [r["expect"] for r in fewer] == [r["expect"] for r in more]
+
+
 def test_link_tails_follow_one_task_with_link_words_and_no_second_call():
     """`--link-tail-share` (off in the recipe): a one-task request's task may be followed by a separator and
     link words with no second task; the unseen splits refuse it, and the thought and the call stay one task."""
