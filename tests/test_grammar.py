@@ -148,6 +148,24 @@ def test_json_schema_and_json_object(k2):
     assert run(tok, obj, "[1]")[0] is False
 
 
+def test_arguments_follow_the_schema_s_property_order_not_the_alphabet(k2):
+    """xgrammar binds properties in the order the schema lists them, as OpenAI's structured outputs write them;
+    a spec that sorted its schema's keys forced `{"from_unit": ...}` before `"value"` and pushed a model that
+    writes the schema's order off its own arguments (docs/embedded_model.md, the sixty-third run)."""
+    tok, compiler = k2
+    convert = {"type": "function", "function": {"name": "unit_convert", "parameters": {
+        "type": "object", "properties": {"value": {"type": "number"}, "from_unit": {"type": "string"},
+                                         "to_unit": {"type": "string"}},
+        "required": ["value", "from_unit", "to_unit"]}}}
+    in_order = '{"value": 164, "from_unit": "kg", "to_unit": "pounds"}'
+    for spec in (GrammarSpec.tools([convert], "required"), GrammarSpec.tools([convert], "auto")):
+        assert run(tok, compiler.compile(spec), SECTION_BEGIN + call_text("unit_convert", 0, in_order) + SECTION_END) \
+            == (True, True)
+    answer = compiler.compile(GrammarSpec.json_schema(convert["function"]["parameters"]))
+    assert run(tok, answer, in_order) == (True, True)
+    assert run(tok, answer, '{"from_unit": "kg", "to_unit": "pounds", "value": 164}')[0] is False
+
+
 def test_compiled_grammars_are_cached_by_spec(k2):
     _, compiler = k2
     a = compiler.compile(GrammarSpec.tools([WEATHER], "required"))

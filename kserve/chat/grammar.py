@@ -43,7 +43,9 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What a request constrains. `payload` is canonical JSON so specs hash and compare by value.
+    """What a request constrains. `payload` is compact JSON so specs hash and compare by value. Key order is
+    kept: xgrammar binds an object's properties in the order its schema lists them, so sorted keys would force
+    a model's arguments into alphabetical order.
 
     kind:
       - "json_schema": output is one JSON value matching payload (a schema).
@@ -88,7 +90,7 @@ class GrammarSpec:
 
 
 def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _tool_function(tool: dict[str, Any]) -> dict[str, Any]:
