@@ -65,7 +65,7 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool) -> "GrammarSpec":
-        return cls("json_schema", _canonical(schema))
+        return cls("json_schema", _compact_json(schema))
 
     @classmethod
     def json_object(cls) -> "GrammarSpec":
@@ -85,11 +85,11 @@ class GrammarSpec:
         functions = [_tool_function(t) for t in tools]
         if answer is not None and mode != "auto":
             raise GrammarError("an answer schema applies only when the model may answer instead of calling")
-        return cls("tools", _canonical(functions), mode, parallel_tool_calls,
-                   None if answer is None else _canonical(answer))
+        return cls("tools", _compact_json(functions), mode, parallel_tool_calls,
+                   None if answer is None else _compact_json(answer))
 
 
-def _canonical(value: Any) -> str:
+def _compact_json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
