@@ -8,6 +8,7 @@ xgrammar imports torch and transformers, so it is imported lazily. Details: docs
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ if TYPE_CHECKING:  # pragma: no cover
 # One whitespace character per gap admits both compact JSON and K2's own `{"city": "Beijing"}`.
 MAX_CALL_INDEX_DIGITS = 3
 MAX_JSON_WHITESPACE = 1
+# A JSON number's runs of digits (integer part, fraction, exponent): uint64 has 20, float64 17 significant.
+MAX_NUMBER_DIGITS = 20
 
 # The character classes xgrammar writes for JSON strings: unbounded, and length-bounded (minLength /
 # maxLength). The bounded one admits raw control characters, and both admit UTF-16 surrogates, which
@@ -79,9 +82,9 @@ class GrammarSpec:
         parallel_tool_calls: bool = True,
         answer: dict[str, Any] | bool | None = None,
     ) -> "GrammarSpec":
-        """`tools` are OpenAI tool objects; non-strict tools still bind names, and bind arguments
-        to their schema (a tool-call must at least be a JSON object); a strict tool's arguments hold no key its
-        schema does not list (`json_value_ebnf`'s `closed`)."""
+        """`tools` are OpenAI tool objects. Every tool, strict or not, binds its name, and its arguments to its
+        schema with objects closed (`json_value_ebnf`); `strict` only decides whether `auto` binds at all
+        (`--tool-grammar off`, kserve/server/guided.py)."""
         functions = [_tool_function(t) for t in tools]
         if answer is not None and mode != "auto":
             raise GrammarError("an answer schema applies only when the model may answer instead of calling")
@@ -101,7 +104,7 @@ def _tool_function(tool: dict[str, Any]) -> dict[str, Any]:
     params = fn.get("parameters")
     if params is None:
         params = {"type": "object"}
-    return {"name": name, "parameters": params, "strict": fn.get("strict") is True}
+    return {"name": name, "parameters": params}
 
 
 class TokenMatcher:
@@ -197,7 +200,7 @@ class GrammarCompiler:
                     st.ConstStringFormat(value=f"functions.{fn['name']}:"),
                     st.RegexFormat(pattern=rf"[0-9]{{1,{MAX_CALL_INDEX_DIGITS}}}"),
                     st.TokenFormat(token=ids[ARGUMENT_BEGIN]),
-                    st.GrammarFormat(grammar=json_value_ebnf(fn["parameters"], closed=fn["strict"])),
+                    st.GrammarFormat(grammar=json_value_ebnf(fn["parameters"])),
                     st.TokenFormat(token=ids[CALL_END]),
                 ]
             )
@@ -230,19 +233,44 @@ class GrammarCompiler:
         return st.StructuralTag(format=fmt)
 
 
-def json_value_ebnf(schema: dict[str, Any] | bool, closed: bool = False) -> str:
-    """EBNF for one JSON value matching `schema`, with bounded whitespace and strict strings. `closed` (a
-    `strict` tool): an object that lists `properties` and leaves `additionalProperties` unset allows no other
-    keys, as OpenAI's strict mode; otherwise JSON Schema's default (any other key) holds."""
+def json_value_ebnf(schema: dict[str, Any] | bool) -> str:
+    """EBNF for one JSON value matching `schema`, with bounded whitespace and strict strings. An object that
+    lists `properties` and leaves `additionalProperties` unset admits no other key (xgrammar's `strict_mode`,
+    as vLLM and SGLang compile schemas): an open key's free string lets a model that misreads a forced call
+    write until the context ends (docs/server.md). Objects without `properties` stay free-form, and a schema
+    with `patternProperties` keeps JSON Schema's default: xgrammar's strict mode would refuse the keys they match."""
     import xgrammar as xgr
 
     grammar = xgr.Grammar.from_json_schema(
-        schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=closed
+        schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE,
+        strict_mode=not _uses_keyword(schema, "patternProperties"),
     )
-    ebnf = str(grammar)
+    ebnf = _bound_number_digits(str(grammar))
     for loose in _XGRAMMAR_STRING_CHARS:
         ebnf = ebnf.replace(loose, _STRICT_STRING_CHARS)
     return ebnf
+
+
+def _bound_number_digits(ebnf: str) -> str:
+    """xgrammar's numbers take any count of digits, so a confused model can write one forever; cap each run.
+    It writes a run as `[1-9] [0-9]*` in its two number rules, or as a one-digit rule repeated `{k, -1}` (after a
+    `[1-9]` where it leads)."""
+    cap = MAX_NUMBER_DIGITS
+    lines = ebnf.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith(("basic_integer ::= ", "basic_number_2 ::= ")):
+            lines[i] = line.replace("[1-9] [0-9]*", f"[1-9] [0-9]{{0, {cap - 1}}}")
+    ebnf = "\n".join(lines)
+    for digit in re.findall(r"^(\w+) ::= \(\(\[0-9\]\)\)$", ebnf, flags=re.M):
+        ebnf = re.sub(rf"(\[1-9\] )?\b{digit}\{{(\d+), -1\}}",
+                      lambda m: f"{m[1] or ''}{digit}{{{m[2]}, {cap - 1 if m[1] else cap}}}", ebnf)
+    return ebnf
+
+
+def _uses_keyword(schema: Any, keyword: str) -> bool:
+    if isinstance(schema, dict):
+        return keyword in schema or any(_uses_keyword(v, keyword) for v in schema.values())
+    return isinstance(schema, list) and any(_uses_keyword(v, keyword) for v in schema)
 
 
 def build_tokenizer_info(tokenizer: Any, model_vocab_size: int) -> Any:
