@@ -466,21 +466,21 @@ TRAINING_DATA_SHARES = (
     ("--echo-share", 0.0, "share of conversations asking to repeat random words, a copying probe"),
     ("--noise-share", 0.15, "chance that each literal part of a training request gets noise words"),
     ("--tail-share", 0.0, "chance that a one-task training request ends in a joiner word"),
-    ("--link-share", 0.0, "chance that a two-task training request's tasks are joined by noise words alone"),
+    ("--link-share", 0.25, "chance that a two-task training request's tasks are joined by noise words alone"),
     ("--link-tail-share", 0.0, "chance that a one-task training request's task is followed by noise words alone"),
     ("--weather-share", 0.01, "share of the conversations asking for get_weather as \"What is the weather like in "
                              "{city} today?\" and its kin"),
     ("--thanks-closer-share", 0.1, "chance that a training request ends in a plain chat that thanks, "
                                    "\"Appreciate it.\""),
     ("--plain-share", 0.35, "share of the conversations that are plain chats, the rest tool requests"),
-    ("--thinking-share", 0.85, "share of the conversations that think; the rest are trained with thinking off"),
+    ("--thinking-share", 0.6, "share of the conversations that think; the rest are trained with thinking off"),
     ("--history-share", 0.02, "share of conversations after a long history of earlier exchanges; give --max-len "
                              "3072 with it"),
 )
 
 # The training data's switches: (flag, the recipe's value, what it is)
 TRAINING_DATA_FLAGS = (
-    ("--link-inline", False, "link words only inside a sentence, never after a full stop"),
+    ("--link-inline", True, "link words only inside a sentence, never after a full stop"),
     ("--help-me-to", True, "the training wrapper \"Help me {intent}.\" becomes \"Help me to {intent}.\""),
     ("--question-chats", True, "plain chats include small talk asked as tool questions are, \"What's new?\""),
     ("--composed-chats", True, "plain chats include greetings, thanks and goodbyes composed from parts, "

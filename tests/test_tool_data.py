@@ -416,7 +416,7 @@ def _thoughts_and_requests(rows: list[dict], n_calls: int) -> list[tuple[str, st
 
 
 def test_link_words_alone_join_two_tasks_and_share_no_word_with_an_unseen_split_or_a_task():
-    """`--link-share` (off in the recipe): a two-task request's tasks may be joined by a separator and noise
+    """`--link-share` (0.25 in the recipe, inline): a two-task request's tasks may be joined by a separator and noise
     words alone. No link word is a request's verb, a training joiner's word or a word of an unseen split's
     phrasing; the unseen splits refuse it; the thought still restates both tasks. With `--link-inline` no full
     stop stands between the tasks."""
@@ -429,7 +429,7 @@ def test_link_words_alone_join_two_tasks_and_share_no_word_with_an_unseen_split_
     verbs = {i.split()[0] for t in build_tools() for i in t.intents}
     assert len(links) > 100
     assert not links & ({w.lower() for w in re.findall(r"[A-Za-z]+", unseen)} | verbs)
-    assert RECIPE.link_share == 0.0
+    assert RECIPE.link_share == 0.25 and RECIPE.link_inline is True
     with pytest.raises(ValueError):
         generate(1, 2, "heldout", link_share=0.25)
     for inline, separator in ((False, r"\. |, |; | "), (True, r", |; | ")):
@@ -444,10 +444,10 @@ def test_link_words_alone_join_two_tasks_and_share_no_word_with_an_unseen_split_
 
 
 def test_thinking_share_sets_how_many_training_conversations_think_and_the_rest_render_thinking_off():
-    """`--thinking-share` (0.85 in the recipe): that share of the training conversations carry a thought in every
+    """`--thinking-share` (0.6 in the recipe): that share of the training conversations carry a thought in every
     assistant turn; the rest carry none and render each assistant turn after an empty `<think></think>`, as a
     thinking-off request is prompted. The conversations themselves are the same at any share."""
-    assert RECIPE.thinking_share == 0.85
+    assert RECIPE.thinking_share == 0.6
     for share in (0.85, 0.6):
         rows = generate(0, 600, "train", thinking_share=share)
         thinking = [r for r in rows if r["thinking"]]
