@@ -38,6 +38,9 @@ as small talk. `--unseen-weather` sends UNSEEN_WEATHER_PROBE's 24 questions abou
 pool and reports unseen_weather_call_rate (`get_weather` called, whatever the city) and the questions missed.
 `--chores` sends CHORE_PROBE_TASKS' 12 chores no tool does, bare and in the unseen splits' wrappers, with only
 `get_weather` declared, and reports chore_probe_stop_rate (text ending in `stop`, no call) and the chores missed.
+`--forced N` sends "use the tool" with `tool_choice` `required` N times (seeds 0 to N - 1, default sampling,
+400 tokens) for each of FORCED_PROBE's three one-tool schemas, and reports forced_probe: per schema, how many
+runs reach the cap (the vendor suite's nested-schema case is the first; its pass is one draw of this).
 """
 
 from __future__ import annotations
@@ -197,6 +200,32 @@ def loop_probe(client: Any, model: str) -> int:
     return capped
 
 
+# The vendor suite's forced calls (tool_choice required, "use the tool"): a model that reads the request as
+# needing no tool is made to call anyway, and a free string or number it opens can run to the cap.
+FORCED_PROBE = {
+    "nested numbers": {"type": "object", "properties": {"location": {"type": "object", "properties": {
+        "lat": {"type": "number"}, "lon": {"type": "number"}}}}},
+    "one string": {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]},
+    "list of strings": {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}},
+                        "required": ["tags"]},
+}
+
+
+def forced_probe(client: Any, model: str, samples: int, thinking: bool | None = None) -> dict[str, str]:
+    """Per FORCED_PROBE schema, how many of `samples` forced calls (seeds 0 to samples - 1, the server's default
+    sampling, 400 tokens) run to the cap: the vendor suite's pass is one draw of this."""
+    extra = {} if thinking is None else {"chat_template_kwargs": {"thinking": thinking}}
+    capped = {}
+    for shape, schema in FORCED_PROBE.items():
+        tool = {"type": "function", "function": {"name": "probe_tool", "description": f"A tool taking {shape}.",
+                                                 "parameters": schema}}
+        runs = [client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "use the tool"}], tools=[tool], tool_choice="required",
+            max_tokens=400, seed=seed, extra_body=extra).choices[0].finish_reason for seed in range(samples)]
+        capped[shape] = f"{runs.count('length')} of {samples} at the cap"
+    return capped
+
+
 # training's " and " and " plus ", a noise word before " and ", the held-out " as well as ", and joiners no split has
 JOINER_PROBE = ("{a} and {b}", "{a} plus {b}", "{a} okay and {b}", "{a} as well as {b}", "{a}, as well as {b}",
                 "{a} along with {b}", "{a} window {b}", "{a}. As well as that, {b}", "{a}. {B}")
@@ -216,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="which unseen phrasings to ask with (the goals are on heldout)")
     p.add_argument("--echo", type=int, default=0, help="also probe copying with this many echo requests")
     p.add_argument("--loops", action="store_true", help="also count greedy loops on LOOP_PROBE's requests")
+    p.add_argument("--forced", type=int, default=0,
+                   help="also send each FORCED_PROBE forced call this many times, sampled, and count runs to the cap")
     p.add_argument("--bare", type=int, default=0, help="also send this many bare tool requests")
     p.add_argument("--answers", type=int, default=0,
                    help="also send this many held-out tool conversations for their final answer")
@@ -289,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             result["chore_probe_misses"] = [f["prompt"] for f in chore_probe["failures"]]
         if args.loops:
             result["loop_probe"] = f"{loop_probe(client, model)} of {len(LOOP_PROBE)} at the cap"
+        if args.forced:
+            result["forced_probe"] = forced_probe(client, model, args.forced, thinking)
     finally:
         if server is not None:
             server.stop()
