@@ -114,8 +114,8 @@ def test_thinking_off_still_calls_the_tool_without_reasoning(server, ctx):
 
 def test_held_out_conversations_call_the_right_tool_and_plain_chats_stop(server, ctx):
     """A small held-out sample (another seed, phrasings never trained on): the shipped model gets 88% right tool,
-    80% exact arguments and 100% plain stops; a random model makes no tool call, and one that does not copy (the
-    random-start model shipped before the sixth run, 12%) fails the arguments floor. The README's figures come from
+    80% exact arguments and 100% plain stops; a random model makes no tool call, and one that does not copy (an
+    earlier model, 12%) fails the arguments floor. The README's figures come from
     `python scripts/eval_tool_calls.py --count 200 --seed 1`."""
     rows = generate(seed=7, count=40, split="heldout")
     result = score(openai_client(server), ctx.model_name, rows)
