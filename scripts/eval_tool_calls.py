@@ -201,7 +201,7 @@ def loop_probe(client: Any, model: str) -> int:
 
 
 # The vendor suite's forced calls (tool_choice required, "use the tool"): a model that reads the request as
-# needing no tool is made to call anyway, and a free string or number it opens can run to the cap.
+# needing no tool is made to call anyway, and a free string it opens can run to the cap.
 FORCED_PROBE = {
     "nested numbers": {"type": "object", "properties": {"location": {"type": "object", "properties": {
         "lat": {"type": "number"}, "lon": {"type": "number"}}}}},
