@@ -320,7 +320,7 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
              agent_share: float = 0.2, echo_share: float = 0.0, noise_share: float = 0.0,
              tail_share: float = 0.0, history_share: float = 0.0, link_share: float = 0.0,
              link_tail_share: float = 0.0, link_inline: bool = False,
-             question_chats: bool = False, weather_share: float = 0.0,
+             question_chats: bool = False, question_chat_weight: int = 1, weather_share: float = 0.0,
              thanks_closer_share: float = 0.0, help_me_to: bool = False,
              composed_chats: bool = False, weather_plain: bool = False,
              unserved_requests: bool = False, chores_beside_weather: bool = False,
@@ -331,7 +331,8 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     with `link_share` (training only), a two-task request's tasks are joined by noise words alone (`link_joiner`),
     and with `link_tail_share` a one-task request's task is followed by them (`add_link_tail`); with
     `link_inline`, link words stand only inside a sentence; with `question_chats` (training only), the plain
-    chats include small talk asked as tool questions are (`PLAIN_QUESTION_CHATS_TRAIN`); `weather_share` of the
+    chats include small talk asked as tool questions are (`PLAIN_QUESTION_CHATS_TRAIN`, listed
+    `question_chat_weight` times); `weather_share` of the
     conversations (training only) ask for `get_weather` with one of WEATHER_QUESTIONS_TRAIN; with
     `thanks_closer_share` (training only), a tool request's closer is a plain chat that thanks ("Appreciate it.");
     with `help_me_to` (training only), the wrapper "Help me {intent}." is "Help me to {intent}."; with
@@ -355,8 +356,10 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     if help_me_to:  # "Help me" then never opens a task, so the held-out "Help me out and" is one task, not two
         style = dataclasses.replace(style, wrappers=tuple(
             "Help me to {intent}." if w == "Help me {intent}." else w for w in style.wrappers))
-    if question_chats:
-        style = dataclasses.replace(style, plain=style.plain + PLAIN_QUESTION_CHATS_TRAIN)
+    if question_chat_weight < 1 or (question_chat_weight > 1 and not question_chats):
+        raise ValueError("question_chat_weight counts the question chats: 1 or more, and above 1 only with them")
+    if question_chats:  # listed `question_chat_weight` times, so each is drawn that much more often
+        style = dataclasses.replace(style, plain=style.plain + PLAIN_QUESTION_CHATS_TRAIN * question_chat_weight)
     if noise_share:
         style = dataclasses.replace(style, noise=noise_vocabulary(), noise_share=noise_share)
     if tail_share:

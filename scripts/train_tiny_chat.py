@@ -478,6 +478,11 @@ TRAINING_DATA_SHARES = (
                              "3072 with it"),
 )
 
+# The training data's counts: (flag, the recipe's value, what it is)
+TRAINING_DATA_COUNTS = (
+    ("--question-chat-weight", 1, "how many times each entry of --question-chats is listed among the plain chats"),
+)
+
 # The training data's switches: (flag, the recipe's value, what it is)
 TRAINING_DATA_FLAGS = (
     ("--link-inline", True, "link words only inside a sentence, never after a full stop"),
@@ -496,7 +501,7 @@ TRAINING_DATA_FLAGS = (
 
 def data_options(args: argparse.Namespace) -> dict[str, Any]:
     """`generate`'s keyword arguments from the training arguments, so the tokenizer test rebuilds the same data."""
-    flags = [flag for flag, *_ in TRAINING_DATA_SHARES + TRAINING_DATA_FLAGS]
+    flags = [flag for flag, *_ in TRAINING_DATA_SHARES + TRAINING_DATA_COUNTS + TRAINING_DATA_FLAGS]
     return {name: getattr(args, name) for name in (flag[2:].replace("-", "_") for flag in flags)}
 
 
@@ -513,6 +518,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bpe-conversations", type=int, default=3000)
     for flag, default, what in TRAINING_DATA_SHARES:
         p.add_argument(flag, type=float, default=default, help=f"{what} (docs/embedded_model.md)")
+    for flag, default, what in TRAINING_DATA_COUNTS:
+        p.add_argument(flag, type=int, default=default, help=f"{what} (docs/embedded_model.md)")
     for flag, default, what in TRAINING_DATA_FLAGS:
         p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                        help=f"{what} (docs/embedded_model.md)")
