@@ -68,8 +68,9 @@ def score(client: Any, model: str, rows: list[dict[str, Any]], thinking: bool | 
         kwargs: dict[str, Any] = {"tools": row["tools"], "tool_choice": "auto"} if row["tools"] else {}
         if thinking is not None:
             kwargs["extra_body"] = {"chat_template_kwargs": {"thinking": thinking}}
-        resp = client.chat.completions.create(model=model, messages=prompt, temperature=0.0,
-                                              max_tokens=text_max_tokens if row["expect"]["kind"] == "text" else 256, **kwargs)
+        max_tokens = text_max_tokens if row["expect"]["kind"] == "text" else 256
+        resp = client.chat.completions.create(model=model, messages=prompt, temperature=0.0, max_tokens=max_tokens,
+                                              **kwargs)
         choice = resp.choices[0]
         if row["expect"]["kind"] == "text":
             ok = choice.finish_reason == "stop" and not choice.message.tool_calls
@@ -78,7 +79,8 @@ def score(client: Any, model: str, rows: list[dict[str, Any]], thinking: bool | 
         else:
             calls = choice.message.tool_calls or []
             want = row["expect"]["calls"]
-            names_ok = choice.finish_reason == "tool_calls" and [c.function.name for c in calls] == [w["name"] for w in want]
+            names = [c.function.name for c in calls]
+            names_ok = choice.finish_reason == "tool_calls" and names == [w["name"] for w in want]
             right_tool += names_ok
             args_ok = False
             if names_ok:
