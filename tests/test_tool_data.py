@@ -550,12 +550,10 @@ def test_question_chats_are_training_small_talk_opening_as_tool_questions_do_and
         assert "needs no tool" in turn.get("reasoning_content", "") or not row["thinking"]
 
 
-
 def test_question_chat_weight_draws_the_question_chats_that_many_times_as_often():
-    """`--question-chat-weight N` lists the question chats N times among the plain chats; 1 (the recipe's value)
-    draws exactly the data drawn before the count existed, and a weight without the question chats is refused."""
+    """`--question-chat-weight N` lists the question chats N times among the plain chats (1 in the recipe, whose
+    data the shipped tokenizer is rebuilt from, above); a weight without the question chats is refused."""
     assert RECIPE.question_chat_weight == 1
-    assert generate(0, 300, question_chats=True) == generate(0, 300, question_chats=True, question_chat_weight=1)
     for bad in ({"question_chat_weight": 0, "question_chats": True}, {"question_chat_weight": 2}):
         with pytest.raises(ValueError):
             generate(0, 2, **bad)
@@ -568,6 +566,7 @@ def test_question_chat_weight_draws_the_question_chats_that_many_times_as_often(
 
     once, thrice = question_share(1), question_share(3)
     assert 0.02 < once < 0.15 and 2.2 * once < thrice < 3.5 * once
+
 
 def test_chat_probe_holds_plain_chats_no_split_or_noise_has_each_with_tools_declared():
     """`eval_tool_calls.py --chats`: 40 plain chats found in no training, `heldout` or `fresh` phrasing (chats,
