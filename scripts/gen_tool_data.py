@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tool_data_pool import (ECHO_WRAPPERS_TRAIN, PLAIN_CHATS_PROBE, PLAIN_QUESTION_CHATS_TRAIN, SYSTEM_PROMPTS,
                             UNSERVED_CHORE_TOPIC, WEATHER_QUESTIONS_PLAIN_TRAIN, WEATHER_QUESTIONS_TRAIN, Phrasing,
                             Tool, add_link_tail, add_noise, add_tail, build_tools, composed_sign_offs,
-                            composed_small_talk, echo_vocabulary, link_joiner, link_words, noise_vocabulary, phrasing,
-                            tail_words, unserved_chores)
+                            composed_small_talk, echo_vocabulary, link_joiner, link_words, made_up_cities,
+                            noise_vocabulary, phrasing, tail_words, unserved_chores)
 
 from kserve.chat import normalize_tool_call_ids, render_prompt
 
@@ -132,7 +132,7 @@ def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
     With `only`, one use of that tool, asked as one of its questions."""
     n_calls = 1 if only else 2 if rng.random() < 0.2 else 1
     used = [only] if only else rng.sample(pool, n_calls)
-    args = [t.draw(rng) for t in used]
+    args = [made_up_cities(rng, t.draw(rng), style) for t in used]
     intents = [_ask(rng, t, a) for t, a in zip(used, args)]
     if n_calls == 1:
         intent = add_link_tail(rng, add_tail(rng, intents[0], style), style)
@@ -324,7 +324,7 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
              thanks_closer_share: float = 0.0, help_me_to: bool = False,
              composed_chats: bool = False, weather_plain: bool = False,
              unserved_requests: bool = False, chores_beside_weather: bool = False,
-             composed_closers: bool = False) -> list[dict]:
+             composed_closers: bool = False, made_up_city_share: float = 0.0) -> list[dict]:
     """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
     `noise_share` (training only), each literal part of a request gets noise words with that probability; with
     `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability;
@@ -342,14 +342,15 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     with `unserved_requests` (training only), chores no tool does, in the training wrappers, join the plain chats
     as one more entry ("Please mow the lawn."), and with `chores_beside_weather` `get_weather` is declared beside
     each of them; with `composed_closers` the thanks closers include the composed thanks and goodbyes
-    (`composed_sign_offs`); `history_share` of the conversations come after a long history of earlier exchanges
-    (`add_history`)."""
-    if (echo_share or noise_share or tail_share or link_share or link_tail_share or question_chats
-            or weather_share or thanks_closer_share or help_me_to or composed_chats or weather_plain
-            or unserved_requests or chores_beside_weather or composed_closers) and split != "train":
+    (`composed_sign_offs`); with `made_up_city_share` (training only) a request's pool city is a made-up name
+    (`made_up_city`) with that probability; `history_share` of the conversations come after a long history of
+    earlier exchanges (`add_history`)."""
+    if (echo_share or noise_share or tail_share or link_share or link_tail_share or question_chats or weather_share
+            or thanks_closer_share or help_me_to or composed_chats or weather_plain or unserved_requests
+            or chores_beside_weather or composed_closers or made_up_city_share) and split != "train":
         raise ValueError("echo requests, noise, tails, link words, question chats, weather questions, thanks "
                          "closers, \"Help me to\", composed chats, plain weather forms, unserved requests, "
-                         "chores beside the weather tool and composed closers are for training only")
+                         "chores beside the weather tool, composed closers and made-up cities are for training only")
     rng = random.Random(f"{split}:{seed}")
     pool = build_tools()
     style = phrasing(split)
@@ -364,6 +365,8 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
         style = dataclasses.replace(style, noise=noise_vocabulary(), noise_share=noise_share)
     if tail_share:
         style = dataclasses.replace(style, tail=tail_words(), tail_share=tail_share)
+    if made_up_city_share:
+        style = dataclasses.replace(style, made_up_city_share=made_up_city_share)
     if link_share or link_tail_share:
         style = dataclasses.replace(style, links=link_words(), link_share=link_share,
                                     link_tail_share=link_tail_share, link_inline=link_inline)

@@ -749,6 +749,7 @@ class Phrasing:
     thanks: tuple[str, ...] = ()  # the plain chats that thank, as closers after a request (training only)
     thanks_share: float = 0.0  # chance that a request's closer is one of them
     declared_beside: dict[str, str] = field(default_factory=dict)  # plain topic -> a tool always declared with it
+    made_up_city_share: float = 0.0  # chance that a request's city is a made-up name (training only)
 
 
 def phrasing(split: str) -> Phrasing:
@@ -928,6 +929,31 @@ def add_tail(rng: random.Random, intent: str, style: Phrasing) -> str:
     if not style.tail or rng.random() >= style.tail_share:
         return intent
     return intent + rng.choice((" ", ", ")) + rng.choice(style.tail)
+
+
+# Made-up cities (`generate(made_up_city_share=...)`, the trainer's `--made-up-city-share`; off in the recipe):
+# every training city is one of CITIES' 20, so a weather question about any other city reads as a chore or small
+# talk, and the call names a pool city (`eval_tool_calls.py --unseen-weather`). Names of consonant-vowel
+# syllables carry no "ch", "sh" or vowel pair, so none of the unseen-city probe's cities can come out.
+_NAME_CONSONANTS = "bdfgklmnprtvz"
+_NAME_VOWELS = "aeiou"
+
+
+def made_up_city(rng: random.Random) -> str:
+    """A pronounceable name of two or three syllables that is not one of CITIES: "Doraven", "Kemil"."""
+    while True:
+        name = "".join(rng.choice(_NAME_CONSONANTS) + rng.choice(_NAME_VOWELS) for _ in range(rng.randint(2, 3)))
+        name = (name + rng.choice("lnr") if rng.random() < 0.4 else name).title()
+        if name not in CITIES:
+            return name
+
+
+def made_up_cities(rng: random.Random, args: dict[str, Any], style: Phrasing) -> dict[str, Any]:
+    """`args` with each pool city swapped for a made-up one at the style's share (none when the share is 0)."""
+    if not style.made_up_city_share:
+        return args
+    return {key: made_up_city(rng) if value in CITIES and rng.random() < style.made_up_city_share else value
+            for key, value in args.items()}
 
 
 # Two tasks joined by noise words only (`generate(link_share=...)`, the trainer's `--link-share`; off by default):

@@ -474,6 +474,8 @@ TRAINING_DATA_SHARES = (
                                    "\"Appreciate it.\""),
     ("--plain-share", 0.35, "share of the conversations that are plain chats, the rest tool requests"),
     ("--thinking-share", 0.6, "share of the conversations that think; the rest are trained with thinking off"),
+    ("--made-up-city-share", 0.0, "chance that a training request's city is a made-up name, \"Doraven\", not one of "
+                                  "the pool's 20"),
     ("--history-share", 0.02, "share of conversations after a long history of earlier exchanges; give --max-len "
                              "3072 with it"),
 )

@@ -568,6 +568,42 @@ def test_question_chat_weight_draws_the_question_chats_that_many_times_as_often(
     assert 0.02 < once < 0.15 and 2.2 * once < thrice < 3.5 * once
 
 
+
+def test_made_up_cities_replace_pool_cities_in_the_request_and_the_call_and_never_name_a_probe_city():
+    """`--made-up-city-share` (0 in the recipe, so the rebuilt tokenizer pins its data): a request's pool city is a
+    made-up name, asked for and called with, the same in the thought; no name is a pool city or one of the
+    unseen-city probe's, so `--unseen-weather` still measures cities never trained on. Training only."""
+    import random
+
+    import tool_data_pool
+    from eval_tool_calls import UNSEEN_WEATHER_CITIES
+    from tool_data_pool import made_up_city
+
+    assert RECIPE.made_up_city_share == 0.0
+    with pytest.raises(ValueError):
+        generate(1, 2, "heldout", made_up_city_share=0.5)
+    rng = random.Random(0)
+    names = {made_up_city(rng) for _ in range(20000)}
+    assert len(names) > 5000 and all(name.isalpha() and name.istitle() for name in names)
+    assert not names & set(tool_data_pool.CITIES) and not names & set(UNSEEN_WEATHER_CITIES)
+
+    def cities(share):
+        found = []
+        for row in generate(0, 400, "train", made_up_city_share=share, weather_share=0.1):
+            request = row["messages"][row["eval_turn"] - 1]["content"]
+            for call in row["messages"][row["eval_turn"]].get("tool_calls") or []:
+                city = json.loads(call["function"]["arguments"]).get("city")
+                if city:
+                    assert city in request and city in row["messages"][row["eval_turn"]].get("reasoning_content", city)
+                    found.append(city)
+        return found
+
+    assert all(city in tool_data_pool.CITIES for city in cities(0.0))
+    half = cities(0.5)
+    made_up = [city for city in half if city not in tool_data_pool.CITIES]
+    assert len(half) > 40 and 0.3 < len(made_up) / len(half) < 0.7
+    assert all(re.fullmatch(r"[BDFGKLMNPRTVZ][aeiou]([bdfgklmnprtvz][aeiou]){1,2}[lnr]?", city) for city in made_up)
+
 def test_chat_probe_holds_plain_chats_no_split_or_noise_has_each_with_tools_declared():
     """`eval_tool_calls.py --chats`: 40 plain chats found in no training, `heldout` or `fresh` phrasing (chats,
     openers, closers, wrappers, questions), each alone with 1 to 4 tools declared and no call expected."""
