@@ -568,7 +568,6 @@ def test_question_chat_weight_draws_the_question_chats_that_many_times_as_often(
     assert 0.02 < once < 0.15 and 2.2 * once < thrice < 3.5 * once
 
 
-
 def test_made_up_cities_replace_pool_cities_in_the_request_and_the_call_and_never_name_a_probe_city():
     """`--made-up-city-share` (0 in the recipe, so the rebuilt tokenizer pins its data): a request's pool city is a
     made-up name, asked for and called with, the same in the thought; no name is a pool city or one of the
@@ -603,6 +602,7 @@ def test_made_up_cities_replace_pool_cities_in_the_request_and_the_call_and_neve
     made_up = [city for city in half if city not in tool_data_pool.CITIES]
     assert len(half) > 40 and 0.3 < len(made_up) / len(half) < 0.7
     assert all(re.fullmatch(r"[BDFGKLMNPRTVZ][aeiou]([bdfgklmnprtvz][aeiou]){1,2}[lnr]?", city) for city in made_up)
+
 
 def test_chat_probe_holds_plain_chats_no_split_or_noise_has_each_with_tools_declared():
     """`eval_tool_calls.py --chats`: 40 plain chats found in no training, `heldout` or `fresh` phrasing (chats,
