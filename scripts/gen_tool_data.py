@@ -324,7 +324,8 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
              thanks_closer_share: float = 0.0, help_me_to: bool = False,
              composed_chats: bool = False, weather_plain: bool = False,
              unserved_requests: bool = False, chores_beside_weather: bool = False,
-             composed_closers: bool = False, made_up_city_share: float = 0.0) -> list[dict]:
+             composed_closers: bool = False, made_up_city_share: float = 0.0,
+             world_city_share: float = 0.0) -> list[dict]:
     """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
     `noise_share` (training only), each literal part of a request gets noise words with that probability; with
     `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability;
@@ -343,14 +344,16 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     as one more entry ("Please mow the lawn."), and with `chores_beside_weather` `get_weather` is declared beside
     each of them; with `composed_closers` the thanks closers include the composed thanks and goodbyes
     (`composed_sign_offs`); with `made_up_city_share` (training only) a request's pool city is a made-up name
-    (`made_up_city`) with that probability; `history_share` of the conversations come after a long history of
-    earlier exchanges (`add_history`)."""
+    (`made_up_city`) with that probability, and with `world_city_share` one of WORLD_CITIES; `history_share` of
+    the conversations come after a long history of earlier exchanges (`add_history`)."""
     if (echo_share or noise_share or tail_share or link_share or link_tail_share or question_chats or weather_share
             or thanks_closer_share or help_me_to or composed_chats or weather_plain or unserved_requests
-            or chores_beside_weather or composed_closers or made_up_city_share) and split != "train":
+            or chores_beside_weather or composed_closers or made_up_city_share or world_city_share) \
+            and split != "train":
         raise ValueError("echo requests, noise, tails, link words, question chats, weather questions, thanks "
                          "closers, \"Help me to\", composed chats, plain weather forms, unserved requests, "
-                         "chores beside the weather tool, composed closers and made-up cities are for training only")
+                         "chores beside the weather tool, composed closers and cities beyond the pool are for "
+                         "training only")
     rng = random.Random(f"{split}:{seed}")
     pool = build_tools()
     style = phrasing(split)
@@ -365,8 +368,8 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
         style = dataclasses.replace(style, noise=noise_vocabulary(), noise_share=noise_share)
     if tail_share:
         style = dataclasses.replace(style, tail=tail_words(), tail_share=tail_share)
-    if made_up_city_share:
-        style = dataclasses.replace(style, made_up_city_share=made_up_city_share)
+    if made_up_city_share or world_city_share:
+        style = dataclasses.replace(style, made_up_city_share=made_up_city_share, world_city_share=world_city_share)
     if link_share or link_tail_share:
         style = dataclasses.replace(style, links=link_words(), link_share=link_share,
                                     link_tail_share=link_tail_share, link_inline=link_inline)

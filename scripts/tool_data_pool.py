@@ -750,6 +750,7 @@ class Phrasing:
     thanks_share: float = 0.0  # chance that a request's closer is one of them
     declared_beside: dict[str, str] = field(default_factory=dict)  # plain topic -> a tool always declared with it
     made_up_city_share: float = 0.0  # chance that a request's city is a made-up name (training only)
+    world_city_share: float = 0.0  # chance that it is one of WORLD_CITIES instead (training only)
 
 
 def phrasing(split: str) -> Phrasing:
@@ -931,10 +932,11 @@ def add_tail(rng: random.Random, intent: str, style: Phrasing) -> str:
     return intent + rng.choice((" ", ", ")) + rng.choice(style.tail)
 
 
-# Made-up cities (`generate(made_up_city_share=...)`, the trainer's `--made-up-city-share`; off in the recipe):
-# every training city is one of CITIES' 20, so a weather question about any other city reads as a chore or small
-# talk, and the call names a pool city (`eval_tool_calls.py --unseen-weather`). Names of consonant-vowel
-# syllables carry no "ch", "sh" or vowel pair, so none of the unseen-city probe's cities can come out.
+# Cities beyond the pool (`generate(made_up_city_share=..., world_city_share=...)`, the trainer's
+# `--made-up-city-share` and `--world-city-share`; off in the recipe): every training city is one of CITIES' 20, so
+# a weather question about any other city reads as a chore or small talk, and the call names a pool city
+# (`eval_tool_calls.py --unseen-weather`). Names of consonant-vowel syllables carry no "ch", "sh" or vowel pair, so
+# none of the unseen-city probe's cities can come out; WORLD_CITIES holds none of them either (a test checks).
 _NAME_CONSONANTS = "bdfgklmnprtvz"
 _NAME_VOWELS = "aeiou"
 
@@ -948,12 +950,40 @@ def made_up_city(rng: random.Random) -> str:
             return name
 
 
+WORLD_CITIES = (
+    "Amsterdam", "Athens", "Bangkok", "Barcelona", "Belgrade", "Bogota", "Brisbane", "Brussels", "Bucharest",
+    "Budapest", "Buenos Aires", "Calgary", "Cape Town", "Caracas", "Casablanca", "Copenhagen", "Dakar", "Dallas",
+    "Damascus", "Delhi", "Detroit", "Dhaka", "Doha", "Dubai", "Durban", "Edinburgh", "Florence", "Frankfurt",
+    "Geneva", "Glasgow", "Hamburg", "Havana", "Helsinki", "Houston", "Istanbul", "Jakarta", "Jeddah", "Karachi",
+    "Kathmandu", "Kyiv", "Kinshasa", "Krakow", "Kuala Lumpur", "Lahore", "Lisbon", "Liverpool", "London", "Lyon",
+    "Manila", "Marseille", "Melbourne", "Miami", "Milan", "Minsk", "Mumbai", "Munich", "Naples",
+    "Osaka", "Ottawa", "Phoenix", "Prague", "Reykjavik", "Rome", "Rotterdam", "Santiago", "Sapporo", "Stockholm",
+    "Sydney", "Taipei", "Tallinn", "Tehran", "Toronto", "Tunis", "Valencia", "Vancouver", "Venice", "Warsaw",
+    "Wellington", "Zurich", "Accra", "Addis Ababa", "Almaty", "Antwerp", "Auckland", "Baku", "Bamako", "Beirut",
+    "Bergen", "Bern", "Bilbao", "Bologna", "Bordeaux", "Bratislava", "Busan", "Cardiff", "Chennai", "Cork",
+    "Curitiba", "Dresden", "Gdansk", "Guadalajara", "Hobart", "Honolulu", "Kampala", "Kolkata", "Lusaka",
+    "Luxembourg", "Malmo", "Manchester", "Medellin", "Memphis", "Monterrey", "Montevideo", "Nagoya", "Nantes",
+    "Oakland", "Orlando", "Palermo", "Rio de Janeiro", "Salvador", "San Diego", "Seville", "Sofia", "Tbilisi",
+    "Toulouse", "Tucson", "Turin", "Valletta", "Vilnius", "Windhoek", "Winnipeg", "Yerevan", "Zagreb", "Harare",
+    "Jaipur", "Pune", "Leeds", "Nashville", "Portland", "Quebec", "Recife", "Sendai", "Hiroshima", "Marrakesh",
+)
+
+
 def made_up_cities(rng: random.Random, args: dict[str, Any], style: Phrasing) -> dict[str, Any]:
-    """`args` with each pool city swapped for a made-up one at the style's share (none when the share is 0)."""
-    if not style.made_up_city_share:
+    """`args` with each pool city swapped, at the style's shares, for a made-up name or one of WORLD_CITIES (none
+    when both shares are 0)."""
+    if not (style.made_up_city_share or style.world_city_share):
         return args
-    return {key: made_up_city(rng) if value in CITIES and rng.random() < style.made_up_city_share else value
-            for key, value in args.items()}
+    swapped = {}
+    for key, value in args.items():
+        if value in CITIES:
+            draw = rng.random()
+            if draw < style.made_up_city_share:
+                value = made_up_city(rng)
+            elif draw < style.made_up_city_share + style.world_city_share:
+                value = rng.choice(WORLD_CITIES)
+        swapped[key] = value
+    return swapped
 
 
 # Two tasks joined by noise words only (`generate(link_share=...)`, the trainer's `--link-share`; off by default):

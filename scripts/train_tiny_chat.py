@@ -476,6 +476,8 @@ TRAINING_DATA_SHARES = (
     ("--thinking-share", 0.6, "share of the conversations that think; the rest are trained with thinking off"),
     ("--made-up-city-share", 0.0, "chance that a training request's city is a made-up name, \"Doraven\", not one of "
                                   "the pool's 20"),
+    ("--world-city-share", 0.0, "chance that a training request's city is a real city outside the pool and the "
+                                "evaluation, \"Lisbon\""),
     ("--history-share", 0.02, "share of conversations after a long history of earlier exchanges; give --max-len "
                              "3072 with it"),
 )

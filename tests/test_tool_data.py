@@ -604,6 +604,42 @@ def test_made_up_cities_replace_pool_cities_in_the_request_and_the_call_and_neve
     assert all(re.fullmatch(r"[BDFGKLMNPRTVZ][aeiou]([bdfgklmnprtvz][aeiou]){1,2}[lnr]?", city) for city in made_up)
 
 
+def test_world_cities_replace_pool_cities_and_none_is_a_city_the_evaluation_asks_about():
+    """`--world-city-share` (0 in the recipe): a request's pool city is a real city outside the pool, asked for,
+    thought about and called with; none of WORLD_CITIES is a pool city, one of the unseen-city probe's, or named
+    anywhere in the evaluation script, so every evaluation still asks about cities it never trained on."""
+    import dataclasses
+    import random
+
+    import eval_tool_calls
+    import tool_data_pool
+    from tool_data_pool import WORLD_CITIES, made_up_cities, phrasing
+
+    assert RECIPE.world_city_share == 0.0
+    with pytest.raises(ValueError):
+        generate(1, 2, "fresh", world_city_share=0.5)
+    evaluation = Path(eval_tool_calls.__file__).read_text()
+    assert len(set(WORLD_CITIES)) == len(WORLD_CITIES) > 100
+    assert not set(WORLD_CITIES) & (set(tool_data_pool.CITIES) | set(eval_tool_calls.UNSEEN_WEATHER_CITIES))
+    assert not [city for city in WORLD_CITIES if city in evaluation]
+
+    style = dataclasses.replace(phrasing("train"), world_city_share=0.5)
+    swapped = [made_up_cities(random.Random(n), {"city": "Paris", "days": 3}, style) for n in range(400)]
+    assert all(args["days"] == 3 and args["city"] in ("Paris",) + WORLD_CITIES for args in swapped)
+    assert 0.4 < sum(args["city"] != "Paris" for args in swapped) / 400 < 0.6
+
+    found = []
+    for row in generate(0, 400, "train", world_city_share=0.5, weather_share=0.1):
+        request = row["messages"][row["eval_turn"] - 1]["content"]
+        for call in row["messages"][row["eval_turn"]].get("tool_calls") or []:
+            for value in json.loads(call["function"]["arguments"]).values():
+                if value in WORLD_CITIES:
+                    assert value in request
+                    assert value in row["messages"][row["eval_turn"]].get("reasoning_content", value)
+                    found.append(value)
+    assert len(set(found)) > 20
+
+
 def test_chat_probe_holds_plain_chats_no_split_or_noise_has_each_with_tools_declared():
     """`eval_tool_calls.py --chats`: 40 plain chats found in no training, `heldout` or `fresh` phrasing (chats,
     openers, closers, wrappers, questions), each alone with 1 to 4 tools declared and no call expected."""
