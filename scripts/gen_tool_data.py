@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tool_data_pool import (ECHO_WRAPPERS_TRAIN, PLAIN_CHATS_PROBE, PLAIN_QUESTION_CHATS_TRAIN, SYSTEM_PROMPTS,
                             UNSERVED_CHORE_TOPIC, WEATHER_QUESTIONS_PLAIN_TRAIN, WEATHER_QUESTIONS_TRAIN, Phrasing,
-                            Tool, add_link_tail, add_noise, add_tail, build_tools, composed_sign_offs,
-                            composed_small_talk, echo_vocabulary, link_joiner, link_words, made_up_cities,
+                            Tool, add_link_tail, add_noise, add_tail, build_tools, cities_beyond_pool,
+                            composed_sign_offs, composed_small_talk, echo_vocabulary, link_joiner, link_words,
                             noise_vocabulary, phrasing, tail_words, unserved_chores)
 
 from kserve.chat import normalize_tool_call_ids, render_prompt
@@ -132,7 +132,7 @@ def tool_conversation(rng: random.Random, pool: list[Tool], style: Phrasing, thi
     With `only`, one use of that tool, asked as one of its questions."""
     n_calls = 1 if only else 2 if rng.random() < 0.2 else 1
     used = [only] if only else rng.sample(pool, n_calls)
-    args = [made_up_cities(rng, t.draw(rng), style) for t in used]
+    args = [cities_beyond_pool(rng, t.draw(rng), style) for t in used]
     intents = [_ask(rng, t, a) for t, a in zip(used, args)]
     if n_calls == 1:
         intent = add_link_tail(rng, add_tail(rng, intents[0], style), style)

@@ -969,7 +969,7 @@ WORLD_CITIES = (
 )
 
 
-def made_up_cities(rng: random.Random, args: dict[str, Any], style: Phrasing) -> dict[str, Any]:
+def cities_beyond_pool(rng: random.Random, args: dict[str, Any], style: Phrasing) -> dict[str, Any]:
     """`args` with each pool city swapped, at the style's shares, for a made-up name or one of WORLD_CITIES (none
     when both shares are 0)."""
     if not (style.made_up_city_share or style.world_city_share):

@@ -613,7 +613,7 @@ def test_world_cities_replace_pool_cities_and_none_is_a_city_the_evaluation_asks
 
     import eval_tool_calls
     import tool_data_pool
-    from tool_data_pool import WORLD_CITIES, made_up_cities, phrasing
+    from tool_data_pool import WORLD_CITIES, cities_beyond_pool, phrasing
 
     assert RECIPE.world_city_share == 0.0
     with pytest.raises(ValueError):
@@ -624,7 +624,7 @@ def test_world_cities_replace_pool_cities_and_none_is_a_city_the_evaluation_asks
     assert not [city for city in WORLD_CITIES if city in evaluation]
 
     style = dataclasses.replace(phrasing("train"), world_city_share=0.5)
-    swapped = [made_up_cities(random.Random(n), {"city": "Paris", "days": 3}, style) for n in range(400)]
+    swapped = [cities_beyond_pool(random.Random(n), {"city": "Paris", "days": 3}, style) for n in range(400)]
     assert all(args["days"] == 3 and args["city"] in ("Paris",) + WORLD_CITIES for args in swapped)
     assert 0.4 < sum(args["city"] != "Paris" for args in swapped) / 400 < 0.6
 
