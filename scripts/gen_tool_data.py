@@ -325,7 +325,7 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
              composed_chats: bool = False, weather_plain: bool = False,
              unserved_requests: bool = False, chores_beside_weather: bool = False,
              composed_closers: bool = False, made_up_city_share: float = 0.0,
-             world_city_share: float = 0.0) -> list[dict]:
+             world_city_share: float = 0.0, weather_world_city_share: float = 0.0) -> list[dict]:
     """`echo_share` of the conversations (training only) are echo requests; the rest split as before. With
     `noise_share` (training only), each literal part of a request gets noise words with that probability; with
     `tail_share` (training only), a one-task request's task is followed by a joiner word with that probability;
@@ -344,11 +344,14 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     as one more entry ("Please mow the lawn."), and with `chores_beside_weather` `get_weather` is declared beside
     each of them; with `composed_closers` the thanks closers include the composed thanks and goodbyes
     (`composed_sign_offs`); with `made_up_city_share` (training only) a request's pool city is a made-up name
-    (`made_up_city`) with that probability, and with `world_city_share` one of WORLD_CITIES; `history_share` of
-    the conversations come after a long history of earlier exchanges (`add_history`)."""
+    (`made_up_city`) with that probability, and with `world_city_share` one of WORLD_CITIES; with
+    `weather_world_city_share` (training only) the weather questions' city alone is one of WORLD_CITIES with that
+    probability; `history_share` of the conversations come after a long history of earlier exchanges
+    (`add_history`)."""
     if (echo_share or noise_share or tail_share or link_share or link_tail_share or question_chats or weather_share
             or thanks_closer_share or help_me_to or composed_chats or weather_plain or unserved_requests
-            or chores_beside_weather or composed_closers or made_up_city_share or world_city_share) \
+            or chores_beside_weather or composed_closers or made_up_city_share or world_city_share
+            or weather_world_city_share) \
             and split != "train":
         raise ValueError("echo requests, noise, tails, link words, question chats, weather questions, thanks "
                          "closers, \"Help me to\", composed chats, plain weather forms, unserved requests, "
@@ -391,6 +394,10 @@ def generate(seed: int, count: int, split: str = "train", plain_share: float = 0
     weather = next(t for t in pool if t.name == "get_weather")
     weather_questions = WEATHER_QUESTIONS_TRAIN + (WEATHER_QUESTIONS_PLAIN_TRAIN if weather_plain else ())
     weather_style = dataclasses.replace(style, questions={"get_weather": weather_questions})
+    if weather_world_city_share:  # the question's words, not its one-token city, decide the call
+        if not weather_share:
+            raise ValueError("world cities in the weather questions need the weather questions: give weather_share")
+        weather_style = dataclasses.replace(weather_style, world_city_share=weather_world_city_share)
 
     def weather_conversation(rng: random.Random, pool: list[Tool], _style: Phrasing, thinking: bool,
                              agent: bool) -> dict[str, Any]:

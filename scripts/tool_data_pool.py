@@ -932,8 +932,8 @@ def add_tail(rng: random.Random, intent: str, style: Phrasing) -> str:
     return intent + rng.choice((" ", ", ")) + rng.choice(style.tail)
 
 
-# Cities beyond the pool (`generate(made_up_city_share=..., world_city_share=...)`, the trainer's
-# `--made-up-city-share` and `--world-city-share`; off in the recipe): every training city is one of CITIES' 20, so
+# Cities beyond the pool (`generate(made_up_city_share=..., world_city_share=..., weather_world_city_share=...)`,
+# the trainer's flags of those names; off in the recipe): every training city is one of CITIES' 20, so
 # a weather question about any other city reads as a chore or small talk, and the call names a pool city
 # (`eval_tool_calls.py --unseen-weather`). Names of consonant-vowel syllables carry no "ch", "sh" or vowel pair, so
 # none of the unseen-city probe's cities can come out; WORLD_CITIES holds none of them either (a test checks).

@@ -478,6 +478,8 @@ TRAINING_DATA_SHARES = (
                                   "the pool's 20"),
     ("--world-city-share", 0.0, "chance that a training request's city is a real city outside the pool and the "
                                 "evaluation, \"Lisbon\""),
+    ("--weather-world-city-share", 0.0, "chance that the city of a --weather-share question is a real city outside "
+                                        "the pool and the evaluation, \"Lisbon\""),
     ("--history-share", 0.02, "share of conversations after a long history of earlier exchanges; give --max-len "
                              "3072 with it"),
 )

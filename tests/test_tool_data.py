@@ -640,6 +640,37 @@ def test_world_cities_replace_pool_cities_and_none_is_a_city_the_evaluation_asks
     assert len(set(found)) > 20
 
 
+def test_world_cities_in_the_weather_questions_leave_every_other_request_alone():
+    """`--weather-world-city-share` (0 in the recipe): only the `--weather-share` questions take a real city outside
+    the pool, asked for, thought about and called with; every other request keeps its pool city."""
+    from tool_data_pool import CITIES, WORLD_CITIES, WEATHER_QUESTIONS_PLAIN_TRAIN, WEATHER_QUESTIONS_TRAIN
+
+    assert RECIPE.weather_world_city_share == 0.0
+    with pytest.raises(ValueError):
+        generate(1, 2, "heldout", weather_world_city_share=0.5)
+    with pytest.raises(ValueError):
+        generate(1, 2, "train", weather_world_city_share=0.5)  # no weather questions to put them in
+    shapes = [q.split("{city}")[0] for q in WEATHER_QUESTIONS_TRAIN + WEATHER_QUESTIONS_PLAIN_TRAIN]
+    world, pool_weather, elsewhere = [], 0, 0
+    for row in generate(0, 600, "train", weather_share=0.3, weather_plain=True, weather_world_city_share=0.5):
+        request = row["messages"][row["eval_turn"] - 1]["content"]
+        calls = row["messages"][row["eval_turn"]].get("tool_calls") or []
+        asked_as_question = any(shape and shape in request for shape in shapes)
+        for call in calls:
+            for value in json.loads(call["function"]["arguments"]).values():
+                if value in WORLD_CITIES:
+                    assert len(calls) == 1 and call["function"]["name"] == "get_weather" and asked_as_question
+                    assert value in request
+                    assert value in row["messages"][row["eval_turn"]].get("reasoning_content", value)
+                    world.append(value)
+                elif value in CITIES and call["function"]["name"] == "get_weather" and asked_as_question:
+                    pool_weather += 1
+                elif value in CITIES:
+                    elsewhere += 1
+    assert len(set(world)) > 20 and pool_weather > 20 and elsewhere > 20
+    assert 0.35 < len(world) / (len(world) + pool_weather) < 0.65
+
+
 def test_chat_probe_holds_plain_chats_no_split_or_noise_has_each_with_tools_declared():
     """`eval_tool_calls.py --chats`: 40 plain chats found in no training, `heldout` or `fresh` phrasing (chats,
     openers, closers, wrappers, questions), each alone with 1 to 4 tools declared and no call expected."""
